@@ -1,0 +1,24 @@
+"""keras_attn: attention and Transformer layers for Keras 3.
+
+The same layers, and the same numbers, on TensorFlow, JAX and PyTorch
+(`KERAS_BACKEND=tensorflow|jax|torch`).
+"""
+
+from keras_attn import ops
+from keras_attn.layers import (
+    MultiHeadAttention,
+    SinusoidalEmbedding,
+    TransformerDecoder,
+    TransformerEncoder,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiHeadAttention",
+    "SinusoidalEmbedding",
+    "TransformerDecoder",
+    "TransformerEncoder",
+    "ops",
+    "__version__",
+]

@@ -1,0 +1,356 @@
+"""Multi-head attention with grouped-query heads and a fused or explicit kernel."""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_attn import ops as attn_ops
+from keras_attn.layers._utils import (
+    check_bool,
+    check_mask,
+    check_positive_int,
+    check_rank,
+    check_rate,
+    check_seed,
+    clone_initializer,
+)
+
+
+def _matrix_initializer(initializer, fan_in_axes):
+    """Initialize a `(..., ...)` kernel as the 2-D matrix it multiplies as.
+
+    Keras' variance-scaling initializers read the fans of rank-3 kernels as if
+    they were convolutions; attention kernels are matrices `(in, heads * dim)`
+    or `(heads * dim, out)`, so draw them as such and reshape.
+    """
+
+    def initialize(shape, dtype=None):
+        rows = math.prod(shape[:fan_in_axes])
+        matrix = initializer((rows, math.prod(shape) // rows), dtype=dtype)
+        return ops.reshape(matrix, shape)
+
+    return initialize
+
+
+@keras.saving.register_keras_serializable(package="keras_attn")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention, softmax(QK^T / sqrt(d_k)) V per head, then W_O.
+
+    As in Vaswani et al. (2017), with grouped-query attention
+    (`num_key_value_heads`, Ainslie et al. 2023). The attention itself runs in
+    `keras.ops.dot_product_attention` (fused and flash kernels where the backend
+    has them) whenever it can, and in an explicit float32-softmax path when the
+    weights are needed: dropout in training, `return_attention_scores=True`, or
+    `flash_attention=False`. Both paths give the same numbers.
+
+    Masks: a key may be attended to where the key/value padding mask (from the
+    inputs' Keras masks or `value_mask`/`key_mask`), `attention_mask` and the
+    causal mask all allow it. A query row that may attend to nothing outputs
+    zeros before the output projection (so the output is the output bias). The
+    query's padding mask does not mask anything: padded query positions are
+    computed like the others (as in `torch.nn.MultiheadAttention`) and the output
+    carries the query's Keras mask.
+
+    Weights: `query_kernel (query_width, num_heads, key_dim)`,
+    `key_kernel (key_width, num_key_value_heads, key_dim)`,
+    `value_kernel (value_width, num_key_value_heads, value_dim)`,
+    `output_kernel (num_heads, value_dim, output_dim)` and, with `use_bias`, the
+    matching `*_bias` vectors.
+
+    Args:
+        num_heads: int. Number of query heads.
+        key_dim: int. Per-head width of queries and keys. Defaults to the query
+            width // `num_heads` (which must then divide it).
+        value_dim: int. Per-head width of values. Defaults to `key_dim`.
+        num_key_value_heads: int. Number of key/value heads for grouped-query
+            attention; must divide `num_heads`. `1` is multi-query attention.
+            Defaults to `num_heads`.
+        dropout: float in [0, 1). Dropout on the attention weights in training.
+            Defaults to `0.0`.
+        use_bias: bool. Whether the projections have biases. Defaults to `True`.
+        output_dim: int. Width of the output. Defaults to the query width.
+        flash_attention: `None` (use fused kernels when possible), `True`
+            (require the backend's flash kernel; errors where there is none) or
+            `False` (always the explicit path). Defaults to `None`.
+        kernel_initializer: initializer of the kernels. Defaults to
+            `"glorot_uniform"` (fans of the 2-D projection matrices).
+        bias_initializer: initializer of the biases. Defaults to `"zeros"`.
+        kernel_regularizer: optional regularizer of the kernels.
+        bias_regularizer: optional regularizer of the biases.
+        kernel_constraint: optional constraint of the kernels.
+        bias_constraint: optional constraint of the biases.
+        seed: optional int. Seed of the attention dropout.
+        **kwargs: Base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        query: float tensor `(batch, query_length, query_width)`.
+        value: optional float tensor `(batch, key_length, value_width)`.
+            Defaults to `query` (self-attention).
+        key: optional float tensor `(batch, key_length, key_width)`. Defaults to
+            `value`.
+        query_mask: optional bool `(batch, query_length)`; filled in by Keras from
+            the query's Keras mask. It only sets the output's mask.
+        value_mask: optional bool `(batch, key_length)`, True for keys that may be
+            attended to; filled in by Keras from the value's Keras mask.
+        key_mask: optional bool `(batch, key_length)`, combined with `value_mask`.
+        attention_mask: optional bool `(batch, query_length, key_length)` or
+            broadcastable (rank 2 to 4), True where attention is allowed.
+        use_causal_mask: bool. Query `i` may only attend to keys `j <= i`.
+            Defaults to `False`.
+        return_attention_scores: bool. Also return the attention weights.
+            Defaults to `False`.
+        training: bool. Whether dropout is active.
+        mask: filled in by Keras with the query's Keras mask when the query is
+            the only tensor argument (self-attention); in self-attention it masks
+            the keys as `value_mask` does.
+
+    Returns:
+        Tensor `(batch, query_length, output_dim)`, carrying the query's Keras
+        mask; with `return_attention_scores=True`, a tuple `(output, scores)`
+        where `scores` `(batch, num_heads, query_length, key_length)` are the
+        softmax weights (before dropout) the output was computed with.
+
+    Example:
+    >>> attention = keras_attn.MultiHeadAttention(num_heads=2)
+    >>> x = np.random.rand(3, 5, 8).astype("float32")
+    >>> output, scores = attention(x, use_causal_mask=True,
+    ...                            return_attention_scores=True)
+    >>> tuple(output.shape), tuple(scores.shape)
+    ((3, 5, 8), (3, 2, 5, 5))
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim=None,
+        value_dim=None,
+        num_key_value_heads=None,
+        dropout=0.0,
+        use_bias=True,
+        output_dim=None,
+        flash_attention=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.key_dim = check_positive_int("key_dim", key_dim, allow_none=True)
+        self.value_dim = check_positive_int("value_dim", value_dim, allow_none=True)
+        self.num_key_value_heads = check_positive_int(
+            "num_key_value_heads", num_key_value_heads, allow_none=True
+        )
+        if self.num_key_value_heads and num_heads % self.num_key_value_heads:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_heads`. Received: "
+                f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
+            )
+        self.dropout = check_rate("dropout", dropout)
+        self.use_bias = check_bool("use_bias", use_bias)
+        self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
+        self.flash_attention = check_bool(
+            "flash_attention", flash_attention, allow_none=True
+        )
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
+        self.seed = check_seed(seed)
+        self.supports_masking = True
+
+    def build(self, query_shape, value_shape=None, key_shape=None):
+        value_shape = query_shape if value_shape is None else value_shape
+        key_shape = value_shape if key_shape is None else key_shape
+        for name, shape in (("query", query_shape), ("value", value_shape)):
+            check_rank(name, shape, 3, "(batch, length, width)")
+        check_rank("key", key_shape, 3, "(batch, length, width)")
+        query_width = query_shape[-1]
+        if query_width is None:
+            raise ValueError(
+                "The query width (last dimension) must be known. "
+                f"Received: query_shape={tuple(query_shape)}."
+            )
+        if self.key_dim is None and query_width % self.num_heads:
+            raise ValueError(
+                "`num_heads` must divide the query width when `key_dim` is not "
+                f"given. Received: num_heads={self.num_heads}, "
+                f"query width={query_width}. Pass `key_dim` explicitly or choose "
+                "a divisor of the width."
+            )
+        self._head_dim = self.key_dim or query_width // self.num_heads
+        self._value_head_dim = self.value_dim or self._head_dim
+        self._kv_heads = self.num_key_value_heads or self.num_heads
+        self._output_width = self.output_dim or query_width
+        heads, kv_heads = self.num_heads, self._kv_heads
+        self.query_kernel, self.query_bias = self._projection(
+            "query", (query_width, heads, self._head_dim)
+        )
+        self.key_kernel, self.key_bias = self._projection(
+            "key", (key_shape[-1], kv_heads, self._head_dim)
+        )
+        self.value_kernel, self.value_bias = self._projection(
+            "value", (value_shape[-1], kv_heads, self._value_head_dim)
+        )
+        self.output_kernel, self.output_bias = self._projection(
+            "output", (heads, self._value_head_dim, self._output_width), fan_in_axes=2
+        )
+        if self.dropout > 0:
+            self._attention_dropout = keras.layers.Dropout(
+                self.dropout, seed=self.seed, dtype=self.dtype_policy, name="dropout"
+            )
+        self.built = True
+
+    def _projection(self, name, kernel_shape, fan_in_axes=1):
+        initializer = clone_initializer(self.kernel_initializer)
+        kernel = self.add_weight(
+            name=f"{name}_kernel",
+            shape=kernel_shape,
+            initializer=_matrix_initializer(initializer, fan_in_axes),
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+        )
+        if not self.use_bias:
+            return kernel, None
+        bias = self.add_weight(
+            name=f"{name}_bias",
+            shape=kernel_shape[fan_in_axes:],
+            initializer=clone_initializer(self.bias_initializer),
+            regularizer=self.bias_regularizer,
+            constraint=self.bias_constraint,
+        )
+        return kernel, bias
+
+    def call(
+        self,
+        query,
+        value=None,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        use_causal_mask=False,
+        return_attention_scores=False,
+        training=None,
+        mask=None,
+    ):
+        self_attention = value is None
+        value = query if value is None else value
+        key = value if key is None else key
+        if self_attention and value_mask is None:
+            value_mask = query_mask if query_mask is not None else mask
+        self._check_call(query, value, key, value_mask, key_mask, attention_mask)
+        key_padding_mask = _merge_padding(value_mask, key_mask)
+        q = self._project_heads(query, self.query_kernel, self.query_bias)
+        k = self._project_heads(key, self.key_kernel, self.key_bias)
+        v = self._project_heads(value, self.value_kernel, self.value_bias)
+        explicit = (
+            return_attention_scores
+            or self.flash_attention is False
+            or (bool(training) and self.dropout > 0)
+        )
+        result = attn_ops.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=attn_ops.merge_attention_masks(key_padding_mask, attention_mask),
+            is_causal=use_causal_mask,
+            fused=not explicit,
+            flash_attention=self.flash_attention,
+            dropout=self._dropout_fn(training) if explicit else None,
+            return_scores=return_attention_scores,
+        )
+        context, scores = result if return_attention_scores else (result, None)
+        output = self._output_projection(context)
+        return (output, scores) if return_attention_scores else output
+
+    def _project_heads(self, inputs, kernel, bias):
+        """`(B, T, width) @ (width, heads, dim)` -> `(B, T, heads, dim)`."""
+        width, heads, dim = kernel.shape
+        projected = ops.matmul(inputs, ops.reshape(kernel, (width, heads * dim)))
+        if bias is not None:
+            projected = projected + ops.reshape(bias, (heads * dim,))
+        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
+        return ops.reshape(projected, (batch, length, heads, dim))
+
+    def _output_projection(self, context):
+        """`(B, T, H, Dv)` -> `(B, T, output_dim)` through W_O."""
+        heads, dim, width = self.output_kernel.shape
+        batch, length = ops.shape(context)[0], ops.shape(context)[1]
+        context = ops.reshape(context, (batch, length, heads * dim))
+        output = ops.matmul(
+            context, ops.reshape(self.output_kernel, (heads * dim, width))
+        )
+        return output if self.output_bias is None else output + self.output_bias
+
+    def _dropout_fn(self, training):
+        if self.dropout == 0:
+            return None
+        return lambda weights: self._attention_dropout(weights, training=training)
+
+    def _check_call(self, query, value, key, value_mask, key_mask, attention_mask):
+        for name, tensor in (("query", query), ("value", value), ("key", key)):
+            check_rank(name, tensor.shape, 3, "(batch, length, width)")
+        batch, query_length = query.shape[0], query.shape[1]
+        key_length = key.shape[1]
+        if _differ(key.shape[1], value.shape[1]):
+            raise ValueError(
+                "`key` and `value` must have the same length. "
+                f"Received: key.shape={tuple(key.shape)}, "
+                f"value.shape={tuple(value.shape)}."
+            )
+        check_mask("value_mask", value_mask, (batch, key_length))
+        check_mask("key_mask", key_mask, (batch, key_length))
+        check_mask(
+            "attention_mask",
+            attention_mask,
+            (batch, self.num_heads, query_length, key_length),
+            allowed_ranks=(2, 3, 4),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "num_key_value_heads": self.num_key_value_heads,
+                "dropout": self.dropout,
+                "use_bias": self.use_bias,
+                "output_dim": self.output_dim,
+                "flash_attention": self.flash_attention,
+                "kernel_initializer": keras.initializers.serialize(
+                    self.kernel_initializer
+                ),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": keras.regularizers.serialize(
+                    self.kernel_regularizer
+                ),
+                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+                "kernel_constraint": keras.constraints.serialize(
+                    self.kernel_constraint
+                ),
+                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                "seed": self.seed,
+            }
+        )
+        return config
+
+
+def _merge_padding(value_mask, key_mask):
+    if value_mask is None or key_mask is None:
+        return key_mask if value_mask is None else value_mask
+    return ops.logical_and(ops.cast(value_mask, "bool"), ops.cast(key_mask, "bool"))
+
+
+def _differ(a, b):
+    return isinstance(a, int) and isinstance(b, int) and a != b

@@ -1,0 +1,100 @@
+"""The Transformer encoder block: self-attention and a feed-forward network."""
+
+import keras
+
+from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
+from keras_attn.layers._utils import check_mask
+
+
+@keras.saving.register_keras_serializable(package="keras_attn")
+class TransformerEncoder(TransformerBlock):
+    """One Transformer encoder block: self-attention and a feed-forward network.
+
+    Post-norm as in Vaswani et al. (2017) by default,
+    `x = LayerNorm(x + Dropout(SelfAttention(x)))` then
+    `x = LayerNorm(x + Dropout(FFN(x)))`; `normalize_first=True` gives pre-norm,
+    `x = x + Dropout(SelfAttention(LayerNorm(x)))` and likewise for the FFN (the
+    arrangement of `torch.nn.TransformerEncoderLayer(norm_first=True)`).
+    Padding masks arrive as a Keras mask (e.g. from `mask_zero=True`) or as
+    `padding_mask`; the output carries the input's Keras mask.
+
+    Sublayers: `self_attention` (`keras_attn.MultiHeadAttention`),
+    `self_attention_layer_norm`, `feedforward_intermediate_dense`,
+    `feedforward_output_dense`, `feedforward_layer_norm`.
+
+    Args:
+        intermediate_dim: int. Hidden width of the feed-forward network.
+        num_heads: int. Number of attention heads; must divide the input width
+            unless `key_dim` is given.
+        dropout: float in [0, 1). Dropout on the attention weights, the
+            feed-forward hidden units and each residual branch. Defaults to `0.0`.
+        activation: activation of the feed-forward network. Defaults to `"relu"`.
+        layer_norm_epsilon: float > 0. Defaults to `1e-5`.
+        normalize_first: bool. Pre-norm instead of post-norm. Defaults to
+            `False`.
+        key_dim: int. Per-head width. Defaults to width // `num_heads`.
+        num_key_value_heads: int. Key/value heads for grouped-query attention;
+            must divide `num_heads`. Defaults to `num_heads`.
+        kernel_initializer: initializer of all kernels. Defaults to
+            `"glorot_uniform"`.
+        bias_initializer: initializer of all biases. Defaults to `"zeros"`.
+        flash_attention: `None`, `True` or `False`; see
+            `keras_attn.MultiHeadAttention`. Defaults to `None`.
+        **kwargs: Base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: float tensor `(batch, length, width)`.
+        padding_mask: optional bool `(batch, length)`, True for real tokens.
+            Takes precedence over the input's Keras mask.
+        attention_mask: optional bool `(batch, length, length)`, True where
+            attention is allowed; combined with the padding mask.
+        training: bool. Whether dropout is active.
+        return_attention_scores: bool. Also return the self-attention weights
+            `(batch, num_heads, length, length)`. Defaults to `False`.
+        mask, inputs_mask: filled in by Keras with the input's Keras mask; not
+            passed by hand.
+
+    Returns:
+        Tensor of the input's shape, carrying the input's mask; with
+        `return_attention_scores=True`, a tuple `(outputs, scores)`.
+
+    Example:
+    >>> encoder = keras_attn.TransformerEncoder(intermediate_dim=64, num_heads=2)
+    >>> tuple(encoder(np.zeros((2, 5, 16))).shape)
+    (2, 5, 16)
+    """
+
+    def build(self, inputs_shape):
+        self._check_width("inputs", inputs_shape)
+        self.self_attention, self.self_attention_layer_norm = self._build_attention(
+            "self_attention", inputs_shape
+        )
+        self._build_feedforward(inputs_shape)
+        self.built = True
+
+    def call(
+        self,
+        inputs,
+        padding_mask=None,
+        attention_mask=None,
+        training=None,
+        return_attention_scores=False,
+        mask=None,
+        inputs_mask=None,
+    ):
+        self._check_width("inputs", inputs.shape)
+        batch, length = inputs.shape[0], inputs.shape[1]
+        check_mask("padding_mask", padding_mask, (batch, length))
+        check_mask("attention_mask", attention_mask, (batch, length, length))
+        padding_mask = to_bool(first_mask(padding_mask, inputs_mask, mask))
+        x, scores = self._attention_residual(
+            inputs,
+            self.self_attention,
+            self.self_attention_layer_norm,
+            training,
+            return_attention_scores,
+            value_mask=padding_mask,
+            attention_mask=attention_mask,
+        )
+        x = self._feedforward_residual(x, training)
+        return (x, scores) if return_attention_scores else x
