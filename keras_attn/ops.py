@@ -6,6 +6,7 @@ Every function here is stateless and backend-agnostic. Shapes use `B` batch,
 
 import math
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -128,6 +129,19 @@ def _repeat_key_value_heads(tensor, num_heads):
     return ops.repeat(tensor, num_heads // num_key_value_heads, axis=2)
 
 
+def _fused_kernel_fits(query, value):
+    """Whether `keras.ops.dot_product_attention` computes what the explicit path does.
+
+    Its kernels need keys and values of one width, and TensorFlow's forms
+    half-precision logits in half precision (they overflow float16 and lose
+    bfloat16 digits); JAX's and PyTorch's accumulate them in float32.
+    """
+    if value.shape[-1] != query.shape[-1]:
+        return False
+    half = keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16")
+    return not (half and keras.config.backend() == "tensorflow")
+
+
 def _explicit_attention(query, key, value, mask, is_causal, dropout):
     """Materialized softmax(QK^T)V with a float32 softmax; returns (out, probs)."""
     logits = ops.einsum(
@@ -203,6 +217,7 @@ def dot_product_attention(
             causal = causal_mask(ops.shape(query)[1], ops.shape(key)[1])
             mask, is_causal = ops.logical_and(mask, causal), False
         mask, has_key = _attends_to_something(mask)
+    fused = fused and _fused_kernel_fits(query, value)
     if fused:
         output = ops.dot_product_attention(
             query,

@@ -86,31 +86,39 @@ def check_rank(name, shape, rank, description):
         )
 
 
-def check_mask(name, mask, expected_shape, allowed_ranks=None):
+def check_mask(name, mask, expected_shape, broadcast=False):
     """Raise unless `mask` fits `expected_shape`, dims compared where both are known.
 
-    With `allowed_ranks`, the mask may have any of those ranks and is compared
-    against the trailing dimensions of `expected_shape` (leading ones broadcast).
+    `expected_shape` is a shape, or a dict `rank -> shape` for masks that may
+    come in several ranks. With `broadcast`, dims of size 1 are accepted.
     """
     if mask is None:
         return
     if not hasattr(mask, "shape"):
         mask = ops.convert_to_tensor(mask)
     shape = tuple(mask.shape)
-    ranks = allowed_ranks or (len(expected_shape),)
-    expected = _describe(expected_shape)
-    if len(shape) not in ranks:
+    shapes = (
+        expected_shape
+        if isinstance(expected_shape, dict)
+        else {len(expected_shape): expected_shape}
+    )
+    if len(shape) not in shapes:
+        options = " or ".join(_describe(s) for s in shapes.values())
         raise ValueError(
-            f"`{name}` must have rank {' or '.join(map(str, ranks))}, "
-            f"broadcastable to {expected}. Received: {name}.shape={shape}."
+            f"`{name}` must have rank {' or '.join(map(str, shapes))}: {options}. "
+            f"Received: {name}.shape={shape}."
         )
-    trailing = expected_shape[len(expected_shape) - len(shape) :]
-    for got, want in zip(shape, trailing, strict=True):
-        broadcasts = allowed_ranks is not None and got == 1
-        if _known(got) and _known(want) and got != want and not broadcasts:
+    expected = shapes[len(shape)]
+    for got, want in zip(shape, expected, strict=True):
+        if (
+            _known(got)
+            and _known(want)
+            and got != want
+            and not (broadcast and got == 1)
+        ):
             raise ValueError(
-                f"`{name}` does not match the inputs: expected shape {expected}. "
-                f"Received: {name}.shape={shape}."
+                f"`{name}` does not match the inputs: expected shape "
+                f"{_describe(expected)}. Received: {name}.shape={shape}."
             )
 
 

@@ -312,8 +312,12 @@ class MultiHeadAttention(keras.layers.Layer):
         check_mask(
             "attention_mask",
             attention_mask,
-            (batch, self.num_heads, query_length, key_length),
-            allowed_ranks=(2, 3, 4),
+            {
+                2: (query_length, key_length),
+                3: (batch, query_length, key_length),
+                4: (batch, self.num_heads, query_length, key_length),
+            },
+            broadcast=True,
         )
 
     def get_config(self):

@@ -1,0 +1,175 @@
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import SinusoidalEmbedding, TransformerDecoder
+from tests.helpers import random_floats, run_layer_contract, to_numpy
+
+B, T, S, WIDTH = 3, 5, 7, 12
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_layer_contract_encoder_decoder(tmp_path, normalize_first):
+    run_layer_contract(
+        TransformerDecoder,
+        {"intermediate_dim": 20, "num_heads": 4, "normalize_first": normalize_first},
+        {
+            "decoder_sequence": random_floats(B, T, WIDTH),
+            "encoder_sequence": random_floats(B, S, 8),
+        },
+        expected_output_shape=(B, T, WIDTH),
+        tmp_path=tmp_path,
+    )
+
+
+def test_layer_contract_decoder_only(tmp_path):
+    run_layer_contract(
+        TransformerDecoder,
+        {"intermediate_dim": 20, "num_heads": 4, "num_key_value_heads": 1},
+        {"decoder_sequence": random_floats(B, T, WIDTH)},
+        expected_output_shape=(B, T, WIDTH),
+        tmp_path=tmp_path,
+    )
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+@pytest.mark.parametrize("with_encoder", [True, False])
+def test_causal_equals_explicit_lower_triangle(flash_attention, with_encoder):
+    decoder = TransformerDecoder(16, 4, flash_attention=flash_attention)
+    args = [random_floats(B, T, WIDTH)] + (
+        [random_floats(B, S, 8)] if with_encoder else []
+    )
+    causal = to_numpy(decoder(*args))
+    tril = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))
+    explicit = decoder(*args, use_causal_mask=False, decoder_attention_mask=tril)
+    np.testing.assert_allclose(causal, to_numpy(explicit), atol=1e-6)
+    unmasked = to_numpy(decoder(*args, use_causal_mask=False))
+    assert not np.allclose(causal, unmasked, atol=1e-3)
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_future_tokens_do_not_change_earlier_outputs(flash_attention, normalize_first):
+    decoder = TransformerDecoder(
+        16, 4, normalize_first=normalize_first, flash_attention=flash_attention
+    )
+    x, memory = random_floats(B, T, WIDTH), random_floats(B, S, 8)
+    changed = x.copy()
+    changed[:, 3:] += 7.0
+    a, b = to_numpy(decoder(x, memory)), to_numpy(decoder(changed, memory))
+    np.testing.assert_allclose(a[:, :3], b[:, :3], atol=1e-5)
+    assert not np.allclose(a[:, 3:], b[:, 3:], atol=1e-3)
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_padded_source_tokens_do_not_change_outputs(flash_attention):
+    decoder = TransformerDecoder(16, 4, flash_attention=flash_attention)
+    x, memory = random_floats(B, T, WIDTH), random_floats(B, S, 8)
+    changed = memory.copy()
+    changed[:, 4:] *= -9.0
+    source_padding = np.zeros((B, S), bool)
+    source_padding[:, :4] = True
+    a = decoder(x, memory, encoder_padding_mask=source_padding)
+    b = decoder(x, changed, encoder_padding_mask=source_padding)
+    np.testing.assert_allclose(to_numpy(a), to_numpy(b), atol=1e-5)
+
+
+def test_keras_masks_equal_explicit_padding_masks():
+    target_ids, source_ids = (
+        keras.Input((None,), dtype="int32"),
+        keras.Input((None,), dtype="int32"),
+    )
+    target_embedding = SinusoidalEmbedding(WIDTH, 20, mask_zero=True)
+    source_embedding = SinusoidalEmbedding(8, 20, mask_zero=True)
+    decoder = TransformerDecoder(16, 4)
+    outputs = decoder(target_embedding(target_ids), source_embedding(source_ids))
+    model = keras.Model([target_ids, source_ids], outputs)
+    assert outputs._keras_mask is not None
+    target = np.array([[3, 4, 5, 0, 0], [1, 2, 3, 4, 5], [6, 0, 0, 0, 0]])
+    source = np.array([[1, 2, 0, 0, 0, 0, 0], [3] * 7, [4, 5, 6, 0, 0, 0, 0]])
+    explicit = decoder(
+        target_embedding(target),
+        source_embedding(source),
+        decoder_padding_mask=target != 0,
+        encoder_padding_mask=source != 0,
+    )
+    np.testing.assert_allclose(
+        to_numpy(model([target, source])), to_numpy(explicit), atol=1e-6
+    )
+    # Decoder-only: the Keras mask arrives through `mask`.
+    gpt = TransformerDecoder(16, 4)
+    ids = keras.Input((None,), dtype="int32")
+    gpt_model = keras.Model(ids, gpt(target_embedding(ids)))
+    np.testing.assert_allclose(
+        to_numpy(gpt_model(target)),
+        to_numpy(gpt(target_embedding(target), decoder_padding_mask=target != 0)),
+        atol=1e-6,
+    )
+
+
+def test_return_attention_scores():
+    decoder = TransformerDecoder(16, 4)
+    x, memory = random_floats(B, T, WIDTH), random_floats(B, S, 8)
+    outputs, self_scores, cross_scores = decoder(
+        x, memory, return_attention_scores=True
+    )
+    assert tuple(self_scores.shape) == (B, 4, T, T)
+    assert tuple(cross_scores.shape) == (B, 4, T, S)
+    assert np.all(np.triu(to_numpy(self_scores), k=1) == 0)
+    np.testing.assert_allclose(
+        to_numpy(outputs), to_numpy(decoder(x, memory)), atol=1e-6
+    )
+    gpt = TransformerDecoder(16, 4)
+    outputs, self_scores = gpt(x, return_attention_scores=True)
+    assert tuple(self_scores.shape) == (B, 4, T, T)
+
+
+def test_called_the_wrong_way():
+    x, memory = random_floats(B, T, WIDTH), random_floats(B, S, 8)
+    encoder_decoder = TransformerDecoder(16, 4)
+    encoder_decoder(x, memory)
+    with pytest.raises(
+        ValueError, match="built with cross-attention.*encoder_sequence=None"
+    ):
+        encoder_decoder(x)
+    decoder_only = TransformerDecoder(16, 4)
+    decoder_only(x)
+    with pytest.raises(
+        ValueError, match=r"decoder-only.*encoder_sequence.shape=\(3, 7, 8\)"
+    ):
+        decoder_only(x, memory)
+    with pytest.raises(
+        ValueError, match="encoder_padding_mask.*needs an `encoder_sequence`"
+    ):
+        decoder_only(x, encoder_padding_mask=np.ones((B, S), bool))
+
+
+def test_bad_masks_and_shapes():
+    x, memory = random_floats(B, T, WIDTH), random_floats(B, S, 8)
+    decoder = TransformerDecoder(16, 4)
+    decoder(x, memory)
+    cases = [
+        (
+            {"decoder_padding_mask": np.ones((B, S), bool)},
+            r"decoder_padding_mask.shape=\(3, 7\)",
+        ),
+        (
+            {"encoder_padding_mask": np.ones((B, T), bool)},
+            r"encoder_padding_mask.shape=\(3, 5\)",
+        ),
+        (
+            {"decoder_attention_mask": np.ones((B, T, S), bool)},
+            "decoder_attention_mask",
+        ),
+        (
+            {"encoder_attention_mask": np.ones((B, T, T), bool)},
+            "encoder_attention_mask",
+        ),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            decoder(x, memory, **kwargs)
+    with pytest.raises(ValueError, match="num_heads=5, input width=12"):
+        TransformerDecoder(16, 5)(x)
+    with pytest.raises(ValueError, match=r"decoder_sequence.shape=\(5, 12\)"):
+        TransformerDecoder(16, 4)(x[0])

@@ -1,0 +1,160 @@
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import SinusoidalEmbedding, TransformerEncoder
+from tests.helpers import random_floats, run_layer_contract, to_numpy
+
+B, T, WIDTH = 3, 7, 12
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_layer_contract(tmp_path, normalize_first):
+    run_layer_contract(
+        TransformerEncoder,
+        {
+            "intermediate_dim": 20,
+            "num_heads": 4,
+            "num_key_value_heads": 2,
+            "dropout": 0.1,
+            "activation": "gelu",
+            "normalize_first": normalize_first,
+        },
+        {"inputs": random_floats(B, T, WIDTH)},
+        expected_output_shape=(B, T, WIDTH),
+        tmp_path=tmp_path,
+    )
+
+
+def token_model(encoder, flash_attention=None):
+    ids = keras.Input((None,), dtype="int32")
+    x = SinusoidalEmbedding(WIDTH, 20, mask_zero=True)(ids)
+    return keras.Model(ids, encoder(x))
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_keras_mask_equals_explicit_padding_mask(flash_attention):
+    encoder = TransformerEncoder(16, 4, flash_attention=flash_attention)
+    model = token_model(encoder)
+    ids = np.array(
+        [[3, 4, 5, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7], [9, 0, 0, 0, 0, 0, 0]]
+    )
+    embedded = model.layers[1](ids)
+    explicit = encoder(embedded, padding_mask=ids != 0)
+    np.testing.assert_allclose(to_numpy(model(ids)), to_numpy(explicit), atol=1e-6)
+    unmasked = encoder(embedded, padding_mask=np.ones_like(ids, bool))
+    assert not np.allclose(to_numpy(unmasked), to_numpy(explicit), atol=1e-3)
+    # An attention_mask tensor beside a Keras mask: both still apply.
+    everything = np.ones((3, 7, 7), bool)
+    symbolic_ids = keras.Input((None,), dtype="int32")
+    symbolic_mask = keras.Input((None, None), dtype="bool")
+    x = model.layers[1](symbolic_ids)
+    both = keras.Model(
+        [symbolic_ids, symbolic_mask], encoder(x, attention_mask=symbolic_mask)
+    )
+    np.testing.assert_allclose(
+        to_numpy(both([ids, everything])), to_numpy(explicit), atol=1e-6
+    )
+
+
+def test_output_carries_the_input_mask():
+    model = token_model(TransformerEncoder(16, 4))
+    assert model.outputs[0]._keras_mask is not None
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_padded_tokens_do_not_change_real_outputs(flash_attention, normalize_first):
+    encoder = TransformerEncoder(
+        16, 4, normalize_first=normalize_first, flash_attention=flash_attention
+    )
+    x = random_floats(B, T, WIDTH)
+    changed = x.copy()
+    changed[:, 4:] = random_floats(B, T - 4, WIDTH, seed=9) * 10
+    padding = np.zeros((B, T), bool)
+    padding[:, :4] = True
+    a = to_numpy(encoder(x, padding_mask=padding))
+    b = to_numpy(encoder(changed, padding_mask=padding))
+    np.testing.assert_allclose(a[:, :4], b[:, :4], atol=1e-5)
+
+
+def test_return_attention_scores():
+    encoder = TransformerEncoder(16, 4)
+    x = random_floats(B, T, WIDTH)
+    outputs, scores = encoder(x, return_attention_scores=True)
+    assert tuple(scores.shape) == (B, 4, T, T)
+    np.testing.assert_allclose(to_numpy(outputs), to_numpy(encoder(x)), atol=1e-6)
+
+
+def test_dropout_active_only_in_training():
+    encoder = TransformerEncoder(16, 4, dropout=0.5)
+    x = random_floats(B, T, WIDTH)
+    np.testing.assert_allclose(
+        to_numpy(encoder(x)), to_numpy(encoder(x, training=False)), atol=1e-6
+    )
+    assert not np.allclose(to_numpy(encoder(x, training=True)), to_numpy(encoder(x)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"intermediate_dim": 0, "num_heads": 2}, ValueError, "intermediate_dim=0"),
+        ({"intermediate_dim": 8, "num_heads": -2}, ValueError, "num_heads=-2"),
+        (
+            {"intermediate_dim": 8, "num_heads": 2, "dropout": 1.5},
+            ValueError,
+            "dropout=1.5",
+        ),
+        (
+            {"intermediate_dim": 8, "num_heads": 4, "num_key_value_heads": 3},
+            ValueError,
+            "num_key_value_heads=3",
+        ),
+        (
+            {"intermediate_dim": 8, "num_heads": 2, "layer_norm_epsilon": 0},
+            ValueError,
+            "layer_norm_epsilon=0",
+        ),
+        (
+            {"intermediate_dim": 8, "num_heads": 2, "normalize_first": "yes"},
+            TypeError,
+            "normalize_first='yes'",
+        ),
+        ({"intermediate_dim": "8", "num_heads": 2}, TypeError, "intermediate_dim='8'"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TransformerEncoder(**kwargs)
+
+
+def test_bad_call_arguments():
+    encoder = TransformerEncoder(16, 5)
+    with pytest.raises(ValueError, match="num_heads=5, input width=12"):
+        encoder(random_floats(B, T, WIDTH))
+    encoder = TransformerEncoder(16, 4)
+    with pytest.raises(ValueError, match=r"rank 3.*inputs.shape=\(3, 12\)"):
+        encoder(random_floats(B, WIDTH))
+    x = random_floats(B, T, WIDTH)
+    encoder(x)
+    with pytest.raises(ValueError, match=r"padding_mask.shape=\(3, 6\)"):
+        encoder(x, padding_mask=np.ones((B, T - 1), bool))
+    with pytest.raises(ValueError, match=r"attention_mask.shape=\(3, 7\)"):
+        encoder(x, attention_mask=np.ones((B, T), bool))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_large_activations_stay_finite_in_mixed_precision(policy, flash_attention):
+    encoder = TransformerEncoder(
+        48, 4, dtype=policy, flash_attention=flash_attention, normalize_first=True
+    )
+    x = random_floats(2, 64, WIDTH, scale=300.0)
+    output = to_numpy(keras.ops.cast(encoder(x), "float32"))
+    assert np.all(np.isfinite(output))
+    reference = TransformerEncoder(48, 4, normalize_first=True)
+    reference(x)
+    reference.set_weights(encoder.get_weights())
+    expected = to_numpy(reference(x))
+    # Pre-norm keeps the residual stream at the input's scale: compare relatively.
+    np.testing.assert_allclose(output, expected, rtol=0.05, atol=0.05 * 300)
