@@ -134,7 +134,9 @@ def _fused_kernel_fits(query, value):
 
     Its kernels need keys and values of one width, and TensorFlow's forms
     half-precision logits in half precision (they overflow float16 and lose
-    bfloat16 digits); JAX's and PyTorch's accumulate them in float32.
+    bfloat16 digits); JAX's and PyTorch's accumulate them in float32. With
+    `flash_attention=True` the fused op is called regardless, and raises where
+    it cannot do what was asked.
     """
     if value.shape[-1] != query.shape[-1]:
         return False
@@ -217,7 +219,7 @@ def dot_product_attention(
             causal = causal_mask(ops.shape(query)[1], ops.shape(key)[1])
             mask, is_causal = ops.logical_and(mask, causal), False
         mask, has_key = _attends_to_something(mask)
-    fused = fused and _fused_kernel_fits(query, value)
+    fused = fused and (flash_attention or _fused_kernel_fits(query, value))
     if fused:
         output = ops.dot_product_attention(
             query,

@@ -8,6 +8,21 @@ import numpy as np
 BACKEND = keras.backend.backend()
 
 
+def has_accelerator():
+    """Whether the current backend runs on a GPU/TPU (CI machines have none)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.devices()[0].platform != "cpu"
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def to_numpy(x):
     return keras.ops.convert_to_numpy(x)
 

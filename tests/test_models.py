@@ -99,7 +99,13 @@ def test_saved_model_loads_in_fresh_processes_on_every_backend(trained, tmp_path
     script.write_text(LOAD_AND_PREDICT)
     processes = {}
     for backend in BACKENDS:
-        env = {**os.environ, "KERAS_BACKEND": backend, "CUDA_VISIBLE_DEVICES": ""}
+        # One thread each: three processes share the machine's cores.
+        env = {
+            **os.environ,
+            "KERAS_BACKEND": backend,
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1",
+        }
         out = tmp_path / f"{backend}.npy"
         processes[backend] = (
             subprocess.Popen(

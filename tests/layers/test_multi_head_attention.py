@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from keras_attn import MultiHeadAttention
-from tests.helpers import random_floats, run_layer_contract, to_numpy
+from tests.helpers import has_accelerator, random_floats, run_layer_contract, to_numpy
 
 B, TQ, TK, WIDTH = 3, 5, 7, 12
 
@@ -221,3 +221,14 @@ def test_bad_call_arguments(call_kwargs, match):
         layer(**kwargs)
     for before, after in zip(weights, layer.get_weights(), strict=True):
         np.testing.assert_array_equal(before, after)
+
+
+def test_flash_attention_true_is_never_silently_ignored():
+    layer = MultiHeadAttention(num_heads=2, flash_attention=True, dtype="bfloat16")
+    x = random_floats(2, 4, 8)
+    if not has_accelerator():
+        # No flash kernel on a CPU: the backend must say so, not fall back.
+        with pytest.raises((ValueError, RuntimeError, ImportError)):
+            layer(x)
+    else:
+        assert layer(x).shape == (2, 4, 8)
