@@ -34,12 +34,13 @@ def sinusoidal_position_encoding(
         dim: int. Width of the encoding.
         max_wavelength: float. The base of the geometric wavelength progression.
             Defaults to `10000.0`.
-        start_index: int or scalar int tensor. Position of the first row.
-            Defaults to `0`.
+        start_index: int, scalar int tensor, or int tensor `(batch,)` of one
+            start per sequence. Position of the first row. Defaults to `0`.
         dtype: dtype of the returned table. Defaults to `"float32"`.
 
     Returns:
-        Tensor `(length, dim)`.
+        Tensor `(length, dim)`, or `(batch, length, dim)` for per-sequence
+        starts.
 
     Example:
     >>> table = keras_attn.ops.sinusoidal_position_encoding(4, 6)
@@ -52,10 +53,13 @@ def sinusoidal_position_encoding(
     inverse_frequency = np.power(
         float(max_wavelength), -(2 * (channels // 2)) / dim, dtype=np.float64
     ).astype("float32")  # (dim,)
-    positions = ops.cast(ops.arange(length), "float32") + ops.cast(
-        start_index, "float32"
-    )  # (T,)
-    angles = positions[:, None] * ops.convert_to_tensor(inverse_frequency)[None, :]
+    start = ops.cast(start_index, "float32")
+    positions = ops.cast(ops.arange(length), "float32")  # (T,)
+    if len(start.shape) == 1:
+        positions = positions[None, :] + start[:, None]  # (B, T)
+    else:
+        positions = positions + start
+    angles = positions[..., None] * ops.convert_to_tensor(inverse_frequency)
     even = ops.convert_to_tensor(channels % 2 == 0)
     return ops.cast(ops.where(even, ops.sin(angles), ops.cos(angles)), dtype)
 

@@ -123,13 +123,19 @@ class TransformerBlock(keras.layers.Layer):
         return dense
 
     def _attention_residual(self, x, attention, norm, training, return_scores, **kw):
-        """One attention sublayer with its residual; returns `(x, scores or None)`."""
+        """One attention sublayer with its residual: `(x, scores, cache)`.
+
+        `scores` is `None` unless `return_scores`; `cache` is `None` unless a
+        `cache` was passed to the attention.
+        """
         hidden = norm(x) if self.normalize_first else x
-        output = attention(
+        outputs = attention(
             hidden, training=training, return_attention_scores=return_scores, **kw
         )
-        output, scores = output if return_scores else (output, None)
-        return self._add_residual(x, output, norm, training), scores
+        outputs = tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,)
+        scores = outputs[1] if return_scores else None
+        cache = outputs[-1] if kw.get("cache") is not None else None
+        return self._add_residual(x, outputs[0], norm, training), scores, cache
 
     def _feedforward_residual(self, x, training):
         """`W_2 activation(W_1 x + b_1) + b_2` with its residual."""

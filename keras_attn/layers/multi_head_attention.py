@@ -240,18 +240,37 @@ class MultiHeadAttention(keras.layers.Layer):
         use_causal_mask=False,
         return_attention_scores=False,
         training=None,
+        cache=None,
+        cache_update_index=None,
         mask=None,
     ):
         self_attention = value is None
         value = query if value is None else value
         key = value if key is None else key
-        if self_attention and value_mask is None:
+        if self_attention and value_mask is None and cache is None:
             value_mask = query_mask if query_mask is not None else mask
-        self._check_call(query, value, key, value_mask, key_mask, attention_mask)
-        key_padding_mask = _merge_padding(value_mask, key_mask)
+        self._check_call(
+            query,
+            value,
+            key,
+            value_mask,
+            key_mask,
+            attention_mask,
+            cache,
+            cache_update_index,
+        )
         q = self._project_heads(query, self.query_kernel, self.query_bias)
-        k = self._project_heads(key, self.key_kernel, self.key_bias)
-        v = self._project_heads(value, self.value_kernel, self.value_bias)
+        k, v, cache = self._keys_and_values(key, value, cache, cache_update_index)
+        attention_mask = attn_ops.merge_attention_masks(
+            _merge_padding(value_mask, key_mask), attention_mask
+        )
+        if cache_update_index is not None:
+            # The keys are the cache's positions; query i sits at index + i.
+            attention_mask = _and(
+                attention_mask,
+                _cache_visibility(q, k, cache_update_index, use_causal_mask),
+            )
+            use_causal_mask = False
         explicit = (
             return_attention_scores
             or self.flash_attention is False
@@ -261,7 +280,7 @@ class MultiHeadAttention(keras.layers.Layer):
             q,
             k,
             v,
-            mask=attn_ops.merge_attention_masks(key_padding_mask, attention_mask),
+            mask=attention_mask,
             is_causal=use_causal_mask,
             fused=not explicit,
             flash_attention=self.flash_attention,
@@ -269,15 +288,107 @@ class MultiHeadAttention(keras.layers.Layer):
             return_scores=return_attention_scores,
         )
         context, scores = result if return_attention_scores else (result, None)
-        output = self._output_projection(context)
-        return (output, scores) if return_attention_scores else output
+        outputs = (self._output_projection(context),)
+        outputs += (scores,) if return_attention_scores else ()
+        outputs += (cache,) if cache is not None else ()
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _keys_and_values(self, key, value, cache, cache_update_index):
+        """Projected keys and values `(B, S, K, D)`, read from or written to a cache."""
+        if cache is not None and cache_update_index is None:
+            return cache[:, 0], cache[:, 1], cache  # precomputed, e.g. the encoder's
+        k = self._project_heads(key, self.key_kernel, self.key_bias)
+        v = self._project_heads(value, self.value_kernel, self.value_bias)
+        if cache is None:
+            return k, v, None
+        update = ops.cast(ops.stack([k, v], axis=1), cache.dtype)  # (B, 2, T, K, D)
+        start = [0, 0, ops.cast(cache_update_index, "int32"), 0, 0]
+        cache = ops.slice_update(cache, start, update)
+        return cache[:, 0], cache[:, 1], cache
+
+    def compute_cache(self, value, key=None):
+        """Project `value` (and `key`) once into a key/value cache.
+
+        For cross-attention, where the keys and values (the encoder output) do
+        not change while a decoder generates: pass the result as `cache` with no
+        `cache_update_index` at every step. The layer must be built.
+
+        Args:
+            value: float tensor `(batch, length, value_width)`.
+            key: optional float tensor `(batch, length, key_width)`. Defaults to
+                `value`.
+
+        Returns:
+            Tensor `(batch, 2, length, num_key_value_heads, key_dim)`: keys at
+            index 0 of axis 1, values at index 1.
+
+        Example:
+        >>> attention = keras_attn.MultiHeadAttention(num_heads=2)
+        >>> query, memory = np.ones((1, 3, 8)), np.ones((1, 6, 8))
+        >>> _ = attention(query, memory)
+        >>> cache = attention.compute_cache(memory)
+        >>> tuple(cache.shape)
+        (1, 2, 6, 2, 4)
+        """
+        self._check_cacheable()
+        value = ops.cast(value, self.compute_dtype)
+        key = value if key is None else ops.cast(key, self.compute_dtype)
+        k = self._project_heads(key, self.key_kernel, self.key_bias)
+        v = self._project_heads(value, self.value_kernel, self.value_bias)
+        return ops.stack([k, v], axis=1)
+
+    def get_empty_cache(self, batch_size, max_length, dtype=None):
+        """An all-zeros key/value cache for step-by-step self-attention.
+
+        Pass it as `cache` with `cache_update_index` (the position of the first
+        query) and feed back the cache the call returns. Grouped-query attention
+        caches only its `num_key_value_heads`. The layer must be built.
+
+        Args:
+            batch_size: int. Batch size.
+            max_length: int. Number of positions the cache holds.
+            dtype: dtype of the cache. Defaults to the layer's compute dtype.
+
+        Returns:
+            Zeros `(batch_size, 2, max_length, num_key_value_heads, key_dim)`.
+
+        Example:
+        >>> attention = keras_attn.MultiHeadAttention(num_heads=4,
+        ...                                           num_key_value_heads=2)
+        >>> x = np.random.rand(1, 5, 16).astype("float32")
+        >>> full = keras.ops.convert_to_numpy(attention(x, use_causal_mask=True))
+        >>> cache = attention.get_empty_cache(batch_size=1, max_length=5)
+        >>> steps = []
+        >>> for i in range(5):
+        ...     y, cache = attention(x[:, i : i + 1], use_causal_mask=True,
+        ...                          cache=cache, cache_update_index=i)
+        ...     steps.append(keras.ops.convert_to_numpy(y))
+        >>> bool(np.allclose(np.concatenate(steps, axis=1), full, atol=1e-5))
+        True
+        """
+        self._check_cacheable()
+        shape = (batch_size, 2, max_length, self._kv_heads, self._head_dim)
+        return ops.zeros(shape, dtype=dtype or self.compute_dtype)
+
+    def _check_cacheable(self):
+        if not self.built:
+            raise ValueError(
+                f"{self.name} must be built (called once) before it makes a cache."
+            )
+        if self._value_head_dim != self._head_dim:
+            raise ValueError(
+                "A key/value cache stacks keys and values, so it needs "
+                "`value_dim == key_dim`. Received: "
+                f"key_dim={self._head_dim}, value_dim={self._value_head_dim}."
+            )
 
     def _project_heads(self, inputs, kernel, bias):
         """`(B, T, width) @ (width, heads, dim)` -> `(B, T, heads, dim)`."""
         width, heads, dim = kernel.shape
+        kernel = ops.cast(kernel, inputs.dtype)  # a no-op inside `__call__`
         projected = ops.matmul(inputs, ops.reshape(kernel, (width, heads * dim)))
         if bias is not None:
-            projected = projected + ops.reshape(bias, (heads * dim,))
+            projected = projected + ops.cast(ops.reshape(bias, (-1,)), inputs.dtype)
         batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
         return ops.reshape(projected, (batch, length, heads, dim))
 
@@ -296,7 +407,17 @@ class MultiHeadAttention(keras.layers.Layer):
             return None
         return lambda weights: self._attention_dropout(weights, training=training)
 
-    def _check_call(self, query, value, key, value_mask, key_mask, attention_mask):
+    def _check_call(
+        self,
+        query,
+        value,
+        key,
+        value_mask,
+        key_mask,
+        attention_mask,
+        cache,
+        cache_update_index,
+    ):
         for name, tensor in (("query", query), ("value", value), ("key", key)):
             check_rank(name, tensor.shape, 3, "(batch, length, width)")
         batch, query_length = query.shape[0], query.shape[1]
@@ -306,6 +427,14 @@ class MultiHeadAttention(keras.layers.Layer):
                 "`key` and `value` must have the same length. "
                 f"Received: key.shape={tuple(key.shape)}, "
                 f"value.shape={tuple(value.shape)}."
+            )
+        if cache is not None:
+            self._check_cache(cache, batch)
+            key_length = cache.shape[2]
+        elif cache_update_index is not None:
+            raise ValueError(
+                "`cache_update_index` needs a `cache`. Received: cache=None, "
+                f"cache_update_index={cache_update_index}."
             )
         check_mask("value_mask", value_mask, (batch, key_length))
         check_mask("key_mask", key_mask, (batch, key_length))
@@ -319,6 +448,17 @@ class MultiHeadAttention(keras.layers.Layer):
             },
             broadcast=True,
         )
+
+    def _check_cache(self, cache, batch, name="cache"):
+        """Raise unless `cache` is a float `(batch, 2, length, kv_heads, key_dim)`."""
+        self._check_cacheable()
+        expected = (batch, 2, None, self._kv_heads, self._head_dim)
+        check_mask(name, cache, expected)
+        dtype = keras.backend.standardize_dtype(cache.dtype)
+        if "float" not in dtype:
+            raise TypeError(
+                f"`{name}` must be a float tensor. Received: {name}.dtype={dtype}."
+            )
 
     def get_config(self):
         config = super().get_config()
@@ -354,6 +494,26 @@ def _merge_padding(value_mask, key_mask):
     if value_mask is None or key_mask is None:
         return key_mask if value_mask is None else value_mask
     return ops.logical_and(ops.cast(value_mask, "bool"), ops.cast(key_mask, "bool"))
+
+
+def _and(mask, other):
+    return other if mask is None else ops.logical_and(mask, other)
+
+
+def _cache_visibility(query, key, cache_update_index, causal):
+    """`(1, 1, T, S)`: which cache positions each new query may see.
+
+    Causal: query `i` (at position `index + i`) sees positions `<= index + i`;
+    otherwise every position written so far, `< index + T`.
+    """
+    query_length, key_length = ops.shape(query)[1], ops.shape(key)[1]
+    index = ops.cast(cache_update_index, "int32")
+    if causal:
+        visible = attn_ops.causal_mask(query_length, key_length, query_offset=index)
+    else:
+        written = ops.arange(key_length) < index + query_length
+        visible = ops.broadcast_to(written[None, :], (query_length, key_length))
+    return visible[None, None]
 
 
 def _differ(a, b):

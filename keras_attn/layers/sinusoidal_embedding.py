@@ -47,8 +47,10 @@ class SinusoidalEmbedding(keras.layers.Layer):
     Call arguments:
         inputs: int tensor `(batch, length)` of token ids with `vocabulary_size`,
             float tensor `(batch, length, width)` without.
-        start_index: int or scalar int tensor. Position of the first input, for
-            step-by-step decoding. Defaults to `0`.
+        start_index: int, scalar int tensor, or int tensor `(batch,)` with one
+            start per sequence. Position of the first input, for step-by-step
+            decoding (and for left-padded batches, where each sequence's first
+            real token should sit at position 0). Defaults to `0`.
 
     Returns:
         Float tensor `(batch, length, embedding_dim)` in the compute dtype.
@@ -127,6 +129,12 @@ class SinusoidalEmbedding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0):
         self._check_inputs(inputs)
+        start_shape = tuple(getattr(start_index, "shape", ()))
+        if len(start_shape) > 1:
+            raise ValueError(
+                "`start_index` must be an int, a scalar or a `(batch,)` tensor. "
+                f"Received: start_index.shape={start_shape}."
+            )
         length = ops.shape(inputs)[1]
         positions = attn_ops.sinusoidal_position_encoding(
             length,
@@ -134,7 +142,7 @@ class SinusoidalEmbedding(keras.layers.Layer):
             max_wavelength=self.max_wavelength,
             start_index=start_index,
             dtype=self.compute_dtype,
-        )  # (T, D)
+        )  # (T, D), or (B, T, D) with one start per sequence
         if self.vocabulary_size is None:
             return inputs + positions
         tokens = ops.take(self.embeddings, inputs, axis=0)  # (B, T, D)

@@ -3,7 +3,7 @@
 import keras
 
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
-from keras_attn.layers._utils import check_mask
+from keras_attn.layers._utils import check_mask, check_rank
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -106,6 +106,9 @@ class TransformerDecoder(TransformerBlock):
         use_causal_mask=True,
         training=None,
         return_attention_scores=False,
+        self_attention_cache=None,
+        self_attention_cache_update_index=None,
+        cross_attention_cache=None,
         mask=None,
         decoder_sequence_mask=None,
         encoder_sequence_mask=None,
@@ -117,37 +120,100 @@ class TransformerDecoder(TransformerBlock):
             decoder_attention_mask,
             encoder_padding_mask,
             encoder_attention_mask,
+            self_attention_cache,
+            self_attention_cache_update_index,
+            cross_attention_cache,
         )
-        decoder_padding_mask = to_bool(
-            first_mask(decoder_padding_mask, decoder_sequence_mask, mask)
-        )
-        x, self_scores = self._attention_residual(
+        if self_attention_cache is None:  # With a cache, keys are its positions.
+            decoder_padding_mask = first_mask(
+                decoder_padding_mask, decoder_sequence_mask, mask
+            )
+        x, self_scores, self_attention_cache = self._attention_residual(
             decoder_sequence,
             self.self_attention,
             self.self_attention_layer_norm,
             training,
             return_attention_scores,
-            value_mask=decoder_padding_mask,
+            value_mask=to_bool(decoder_padding_mask),
             attention_mask=decoder_attention_mask,
             use_causal_mask=use_causal_mask,
+            cache=self_attention_cache,
+            cache_update_index=self_attention_cache_update_index,
         )
-        scores = (self_scores,)
+        scores, caches = (self_scores,), (self_attention_cache,)
         if self._has_cross_attention:
-            x, cross_scores = self._attention_residual(
+            if self_attention_cache is not None and cross_attention_cache is None:
+                cross_attention_cache = self.cross_attention.compute_cache(
+                    encoder_sequence
+                )
+            x, cross_scores, cross_attention_cache = self._attention_residual(
                 x,
                 self.cross_attention,
                 self.cross_attention_layer_norm,
                 training,
                 return_attention_scores,
-                value=encoder_sequence,
+                value=None if cross_attention_cache is not None else encoder_sequence,
                 value_mask=to_bool(
                     first_mask(encoder_padding_mask, encoder_sequence_mask)
                 ),
                 attention_mask=encoder_attention_mask,
+                cache=cross_attention_cache,
             )
-            scores += (cross_scores,)
+            scores, caches = scores + (cross_scores,), caches + (cross_attention_cache,)
         x = self._feedforward_residual(x, training)
-        return (x, *scores) if return_attention_scores else x
+        outputs = (x,) + (scores if return_attention_scores else ())
+        outputs += caches if self_attention_cache is not None else ()
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def get_empty_self_attention_cache(self, batch_size, max_length, dtype=None):
+        """An all-zeros self-attention cache for step-by-step decoding.
+
+        Args:
+            batch_size: int. Batch size.
+            max_length: int. Number of positions the cache holds.
+            dtype: dtype of the cache. Defaults to the compute dtype.
+
+        Returns:
+            Zeros `(batch_size, 2, max_length, num_key_value_heads, key_dim)`;
+            see `keras_attn.MultiHeadAttention.get_empty_cache`.
+
+        Example:
+        >>> decoder = keras_attn.TransformerDecoder(intermediate_dim=32, num_heads=2)
+        >>> x = np.random.rand(1, 4, 8).astype("float32")
+        >>> full = keras.ops.convert_to_numpy(decoder(x))
+        >>> cache = decoder.get_empty_self_attention_cache(1, max_length=4)
+        >>> last, cache = decoder(x[:, :3], self_attention_cache=cache,
+        ...                       self_attention_cache_update_index=0)
+        >>> step, cache = decoder(x[:, 3:], self_attention_cache=cache,
+        ...                       self_attention_cache_update_index=3)
+        >>> bool(np.allclose(keras.ops.convert_to_numpy(step), full[:, 3:], atol=1e-5))
+        True
+        """
+        return self.self_attention.get_empty_cache(batch_size, max_length, dtype)
+
+    def compute_cross_attention_cache(self, encoder_sequence):
+        """The cross-attention keys and values of `encoder_sequence`, computed once.
+
+        Args:
+            encoder_sequence: float tensor `(batch, source_length, source_width)`.
+
+        Returns:
+            Tensor `(batch, 2, source_length, num_key_value_heads, key_dim)`, to
+            pass as `cross_attention_cache` at every step.
+
+        Example:
+        >>> decoder = keras_attn.TransformerDecoder(intermediate_dim=32, num_heads=2)
+        >>> source = np.random.rand(1, 6, 8).astype("float32")
+        >>> _ = decoder(np.zeros((1, 1, 8)), source)
+        >>> tuple(decoder.compute_cross_attention_cache(source).shape)
+        (1, 2, 6, 2, 4)
+        """
+        if not self.built or not self._has_cross_attention:
+            raise ValueError(
+                f"{self.name} has no cross-attention: it must first be called "
+                "with an `encoder_sequence`."
+            )
+        return self.cross_attention.compute_cache(encoder_sequence)
 
     def _check_call(
         self,
@@ -157,16 +223,73 @@ class TransformerDecoder(TransformerBlock):
         decoder_attention_mask,
         encoder_padding_mask,
         encoder_attention_mask,
+        self_attention_cache,
+        self_attention_cache_update_index,
+        cross_attention_cache,
     ):
         self._check_width("decoder_sequence", decoder_sequence.shape)
-        if self._has_cross_attention and encoder_sequence is None:
-            raise ValueError(
-                f"{self.name} was built with cross-attention (its first call had "
-                "an `encoder_sequence`), so every call needs one: call it as "
-                "`decoder(decoder_sequence, encoder_sequence)`. "
-                "Received: encoder_sequence=None."
+        self._check_encoder_sequence(encoder_sequence, cross_attention_cache)
+        batch, target = decoder_sequence.shape[0], decoder_sequence.shape[1]
+        keys = target
+        if self_attention_cache is not None:
+            self.self_attention._check_cache(
+                self_attention_cache, batch, "self_attention_cache"
             )
-        if not self._has_cross_attention and encoder_sequence is not None:
+            keys = self_attention_cache.shape[2]
+        if (self_attention_cache is None) != (
+            self_attention_cache_update_index is None
+        ):
+            raise ValueError(
+                "`self_attention_cache` and `self_attention_cache_update_index` "
+                "go together. Received: self_attention_cache="
+                f"{_describe(self_attention_cache)}, "
+                f"self_attention_cache_update_index={self_attention_cache_update_index}."
+            )
+        check_mask("decoder_padding_mask", decoder_padding_mask, (batch, keys))
+        check_mask(
+            "decoder_attention_mask", decoder_attention_mask, (batch, target, keys)
+        )
+        if not self._has_cross_attention:
+            for name, value in (
+                ("encoder_padding_mask", encoder_padding_mask),
+                ("encoder_attention_mask", encoder_attention_mask),
+                ("cross_attention_cache", cross_attention_cache),
+            ):
+                if value is not None:
+                    raise ValueError(
+                        f"`{name}` needs cross-attention, and this decoder-only "
+                        f"block has none. Received: {name}={_describe(value)}."
+                    )
+            return
+        if cross_attention_cache is not None:
+            self.cross_attention._check_cache(
+                cross_attention_cache, batch, "cross_attention_cache"
+            )
+            source = cross_attention_cache.shape[2]
+        else:
+            source = encoder_sequence.shape[1]
+        check_mask("encoder_padding_mask", encoder_padding_mask, (batch, source))
+        check_mask(
+            "encoder_attention_mask", encoder_attention_mask, (batch, target, source)
+        )
+
+    def _check_encoder_sequence(self, encoder_sequence, cross_attention_cache):
+        if self._has_cross_attention:
+            if encoder_sequence is None and cross_attention_cache is None:
+                raise ValueError(
+                    f"{self.name} was built with cross-attention (its first call "
+                    "had an `encoder_sequence`), so every call needs one: call it "
+                    "as `decoder(decoder_sequence, encoder_sequence)`. "
+                    "Received: encoder_sequence=None."
+                )
+            if encoder_sequence is not None:
+                check_rank(
+                    "encoder_sequence",
+                    encoder_sequence.shape,
+                    3,
+                    "(batch, length, width)",
+                )
+        elif encoder_sequence is not None:
             raise ValueError(
                 f"{self.name} was built as a decoder-only block (its first call "
                 "had no `encoder_sequence`), so it has no cross-attention: call "
@@ -174,24 +297,7 @@ class TransformerDecoder(TransformerBlock):
                 "encoder-decoder model. Received: encoder_sequence.shape="
                 f"{tuple(encoder_sequence.shape)}."
             )
-        batch, target = decoder_sequence.shape[0], decoder_sequence.shape[1]
-        check_mask("decoder_padding_mask", decoder_padding_mask, (batch, target))
-        check_mask(
-            "decoder_attention_mask", decoder_attention_mask, (batch, target, target)
-        )
-        if encoder_sequence is None:
-            for name, value in (
-                ("encoder_padding_mask", encoder_padding_mask),
-                ("encoder_attention_mask", encoder_attention_mask),
-            ):
-                if value is not None:
-                    raise ValueError(
-                        f"`{name}` needs an `encoder_sequence`, and this decoder "
-                        f"has none. Received: {name}.shape={tuple(value.shape)}."
-                    )
-            return
-        source = encoder_sequence.shape[1]
-        check_mask("encoder_padding_mask", encoder_padding_mask, (batch, source))
-        check_mask(
-            "encoder_attention_mask", encoder_attention_mask, (batch, target, source)
-        )
+
+
+def _describe(value):
+    return "None" if value is None else f"tensor of shape {tuple(value.shape)}"

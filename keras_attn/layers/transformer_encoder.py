@@ -87,7 +87,7 @@ class TransformerEncoder(TransformerBlock):
         check_mask("padding_mask", padding_mask, (batch, length))
         check_mask("attention_mask", attention_mask, (batch, length, length))
         padding_mask = to_bool(first_mask(padding_mask, inputs_mask, mask))
-        x, scores = self._attention_residual(
+        x, scores, _ = self._attention_residual(
             inputs,
             self.self_attention,
             self.self_attention_layer_norm,

@@ -138,9 +138,7 @@ def test_called_the_wrong_way():
         ValueError, match=r"decoder-only.*encoder_sequence.shape=\(3, 7, 8\)"
     ):
         decoder_only(x, memory)
-    with pytest.raises(
-        ValueError, match="encoder_padding_mask.*needs an `encoder_sequence`"
-    ):
+    with pytest.raises(ValueError, match="encoder_padding_mask.*needs cross-attention"):
         decoder_only(x, encoder_padding_mask=np.ones((B, S), bool))
 
 

@@ -1,0 +1,280 @@
+"""Cached decoding in the layers and `keras_attn.generation.generate`."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_attn
+from keras_attn.generation import generate
+from tests.helpers import random_floats, to_numpy
+
+VOCAB, WIDTH = 13, 16
+
+
+def decoder_only_model(num_key_value_heads=None, seed=0):
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(ids)
+    x = keras_attn.TransformerDecoder(32, 4, num_key_value_heads=num_key_value_heads)(x)
+    x = keras.layers.Dropout(0.1)(x)
+    x = keras_attn.TransformerDecoder(32, 4, normalize_first=True)(x)
+    x = keras.layers.LayerNormalization()(x)
+    return keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+
+
+def encoder_decoder_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    source = keras.Input((None,), dtype="int32", name="source")
+    target = keras.Input((None,), dtype="int32", name="target")
+    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(source)
+    x = keras_attn.TransformerEncoder(32, 4)(x)
+    y = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(target)
+    y = keras_attn.TransformerDecoder(32, 4, num_key_value_heads=2)(y, x)
+    y = keras_attn.TransformerDecoder(32, 4)(y, x)
+    return keras.Model([source, target], keras.layers.Dense(VOCAB)(y))
+
+
+def next_token_logits(model, prefix, source=None, width=16):
+    """The model's logits after `prefix`, from a call on the whole prefix.
+
+    The prefix sits in a fixed-width buffer of trailing padding, which the causal
+    decoder cannot see, so every call has one shape (JAX compiles it once).
+    """
+    ids = np.zeros((1, width), "int32")
+    ids[0, : len(prefix)] = prefix
+    inputs = ids if source is None else [np.array([source], "int32"), ids]
+    return to_numpy(model(inputs))[0, len(prefix) - 1]
+
+
+def naive_greedy(model, prompt, max_length, source=None):
+    """Call the model on the whole prefix, take the argmax, repeat."""
+    sequence = list(prompt)
+    while len(sequence) < max_length:
+        sequence.append(int(next_token_logits(model, sequence, source).argmax()))
+    return sequence
+
+
+# --- The caches in the layers -------------------------------------------------
+
+
+@pytest.mark.parametrize("num_key_value_heads", [None, 1])
+@pytest.mark.parametrize("with_encoder", [False, True])
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_token_by_token_equals_full_forward(
+    num_key_value_heads, with_encoder, normalize_first
+):
+    decoder = keras_attn.TransformerDecoder(
+        24, 4, num_key_value_heads=num_key_value_heads, normalize_first=normalize_first
+    )
+    x, memory = random_floats(2, 6, WIDTH), random_floats(2, 5, 8, seed=1)
+    padding = np.ones((2, 6), bool)
+    padding[1, :2] = False  # a left-padded row
+    memory_padding = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
+    encoder_args = {"encoder_sequence": memory} if with_encoder else {}
+    if with_encoder:
+        encoder_args["encoder_padding_mask"] = memory_padding
+    full = to_numpy(decoder(x, decoder_padding_mask=padding, **encoder_args))
+    cache = decoder.get_empty_self_attention_cache(2, 6)
+    assert tuple(cache.shape) == (2, 2, 6, num_key_value_heads or 4, WIDTH // 4)
+    cross = decoder.compute_cross_attention_cache(memory) if with_encoder else None
+    steps, start = [], 0
+    for stop in (3, 4, 5, 6):  # a 3-token prefill, then one token at a time
+        outputs = decoder(
+            x[:, start:stop],
+            decoder_padding_mask=padding,
+            self_attention_cache=cache,
+            self_attention_cache_update_index=start,
+            cross_attention_cache=cross,
+            encoder_padding_mask=memory_padding if with_encoder else None,
+        )
+        steps.append(to_numpy(outputs[0]))
+        cache = outputs[1]
+        start = stop
+    np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_multi_head_attention_cache_with_grouped_heads_and_cross_cache():
+    layer = keras_attn.MultiHeadAttention(num_heads=6, num_key_value_heads=2)
+    x, memory = random_floats(2, 4, 12), random_floats(2, 7, 12, seed=1)
+    full_self = to_numpy(layer(x, use_causal_mask=True))
+    cache = layer.get_empty_cache(2, 4)
+    assert tuple(cache.shape) == (2, 2, 4, 2, 2)
+    for i in range(4):
+        step, cache = layer(
+            x[:, i : i + 1], cache=cache, cache_update_index=i, use_causal_mask=True
+        )
+        np.testing.assert_allclose(to_numpy(step)[:, 0], full_self[:, i], atol=1e-5)
+    cross = layer.compute_cache(memory)
+    output, same = layer(x, cache=cross)
+    np.testing.assert_allclose(to_numpy(output), to_numpy(layer(x, memory)), atol=1e-5)
+    assert same is cross
+
+
+def test_bad_caches():
+    decoder = keras_attn.TransformerDecoder(24, 4)
+    x = random_floats(2, 3, WIDTH)
+    decoder(x)
+    good = decoder.get_empty_self_attention_cache(2, 5)
+    with pytest.raises(
+        ValueError, match=r"self_attention_cache.shape=\(2, 2, 5, 2, 4\)"
+    ):
+        decoder(
+            x,
+            self_attention_cache=good[:, :, :, :2],
+            self_attention_cache_update_index=0,
+        )
+    with pytest.raises(TypeError, match="self_attention_cache.dtype=int32"):
+        decoder(
+            x,
+            self_attention_cache=keras.ops.cast(good, "int32"),
+            self_attention_cache_update_index=0,
+        )
+    with pytest.raises(ValueError, match="go together"):
+        decoder(x, self_attention_cache=good)
+    with pytest.raises(ValueError, match=r"decoder_padding_mask.shape=\(2, 3\)"):
+        decoder(
+            x,
+            self_attention_cache=good,
+            self_attention_cache_update_index=0,
+            decoder_padding_mask=np.ones((2, 3), bool),
+        )
+    with pytest.raises(ValueError, match="cross_attention_cache.*decoder-only"):
+        decoder(x, cross_attention_cache=good)
+    attention = keras_attn.MultiHeadAttention(2, key_dim=4, value_dim=6)
+    attention(x)
+    with pytest.raises(ValueError, match="key_dim=4, value_dim=6"):
+        attention.get_empty_cache(2, 5)
+
+
+# --- generate -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return decoder_only_model(num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def translator():
+    return encoder_decoder_model()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_greedy_equals_naive_loop_decoder_only(gpt, side):
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 1, 2]]
+    padded = np.zeros((3, 4), "int32")
+    for row, prompt in zip(padded, prompts, strict=True):
+        if side == "left":
+            row[4 - len(prompt) :] = prompt
+        else:
+            row[: len(prompt)] = prompt
+    tokens = generate(gpt, padded, max_length=11)
+    assert tokens.shape == (3, 11) and tokens.dtype == np.int32
+    for row, prompt, padded_row in zip(tokens, prompts, padded, strict=True):
+        pads = 4 - len(prompt)
+        if side == "left":  # each row gets max_length - prompt width new tokens
+            expected = naive_greedy(gpt, prompt, 11 - pads)
+            assert row.tolist() == padded_row[:pads].tolist() + expected
+        else:  # each row is filled up to max_length
+            assert row.tolist() == naive_greedy(gpt, prompt, 11)
+
+
+def test_greedy_equals_naive_loop_encoder_decoder(translator):
+    sources = np.array([[3, 4, 5, 6, 7], [8, 9, 0, 0, 0], [10, 11, 12, 0, 0]])
+    start = np.ones((3, 1), "int32")
+    tokens = generate(translator, [sources, start], max_length=9)
+    by_name = generate(translator, {"source": sources, "target": start}, max_length=9)
+    np.testing.assert_array_equal(tokens, by_name)
+    for row, source in zip(tokens, sources, strict=True):
+        assert row.tolist() == naive_greedy(translator, [1], 9, source=source)
+
+
+def test_beam_of_one_equals_greedy(gpt, translator):
+    prompts = np.array([[3, 4, 5], [0, 7, 8]])
+    np.testing.assert_array_equal(
+        generate(gpt, prompts, 9, method="beam", num_beams=1), generate(gpt, prompts, 9)
+    )
+    sources, start = np.array([[3, 4, 0], [5, 6, 7]]), np.ones((2, 1), "int32")
+    np.testing.assert_array_equal(
+        generate(translator, [sources, start], 7, method="beam", num_beams=1),
+        generate(translator, [sources, start], 7),
+    )
+
+
+def test_wide_beam_finds_the_most_likely_continuation(gpt):
+    prompt = np.array([[3, 4, 5]])
+    found = generate(gpt, prompt, 5, method="beam", num_beams=VOCAB, length_penalty=0)
+    best, best_score = None, -np.inf
+
+    def log_probs(prefix):
+        logits = next_token_logits(gpt, prefix)
+        return logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+
+    first = log_probs([3, 4, 5])
+    for a in range(VOCAB):
+        second = log_probs([3, 4, 5, a])
+        b = int(second.argmax())
+        if first[a] + second[b] > best_score:
+            best, best_score = [3, 4, 5, a, b], first[a] + second[b]
+    assert found[0].tolist() == best
+
+
+def test_sampling_is_seeded_and_respects_top_k(gpt):
+    prompts = np.array([[3, 4, 5], [6, 7, 8]])
+    a = generate(gpt, prompts, 12, method="sample", seed=5, top_k=3)
+    b = generate(gpt, prompts, 12, method="sample", seed=5, top_k=3)
+    c = generate(gpt, prompts, 12, method="sample", seed=6, top_k=3)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    logits = to_numpy(gpt(a))
+    for row, row_logits in zip(a, logits, strict=True):
+        for position in range(3, 12):
+            top3 = np.argsort(row_logits[position - 1])[-3:]
+            assert row[position] in top3
+    np.testing.assert_array_equal(
+        generate(gpt, prompts, 12, method="sample", seed=1, top_k=1),
+        generate(gpt, prompts, 12),
+    )
+    nucleus = generate(gpt, prompts, 12, method="sample", seed=1, top_p=1e-6)
+    np.testing.assert_array_equal(nucleus, generate(gpt, prompts, 12))
+
+
+def test_end_token_stops_and_pads(gpt):
+    prompts = np.array([[3, 4, 5], [6, 7, 8]])
+    greedy = generate(gpt, prompts, 12)
+    end = int(greedy[0, 5])
+    stopped = generate(gpt, prompts, 12, end_token_id=end, pad_token_id=0)
+    for row, full in zip(stopped, greedy, strict=True):
+        hits = np.flatnonzero(full[3:] == end)
+        if len(hits):
+            cut = 3 + hits[0] + 1
+            assert row[:cut].tolist() == full[:cut].tolist()
+            assert np.all(row[cut:] == 0)
+        else:
+            assert row.tolist() == full.tolist()
+
+
+def test_generate_rejects_what_it_cannot_run(gpt):
+    prompt = np.array([[3, 4]])
+    with pytest.raises(ValueError, match="method"):
+        generate(gpt, prompt, 5, method="nucleus")
+    with pytest.raises(ValueError, match="max_length=1, prompt length=2"):
+        generate(gpt, prompt, 1)
+    with pytest.raises(ValueError, match="one side"):
+        generate(gpt, np.array([[3, 0, 4]]), 5)
+    with pytest.raises(ValueError, match="not a mix"):
+        generate(gpt, np.array([[3, 4, 0], [0, 5, 6]]), 5)
+    with pytest.raises(TypeError, match="num_beams"):
+        generate(gpt, prompt, 5, method="beam", num_beams=2.0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(gpt, prompt, 5, method="sample", top_p=1.5)
+    ids = keras.Input((None,), dtype="int32")
+    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB)(ids)
+    x = keras_attn.TransformerDecoder(32, 4)(x)
+    x = keras.layers.Conv1D(VOCAB, 3, padding="same")(x)
+    with pytest.raises(ValueError, match="Conv1D"):
+        generate(keras.Model(ids, x), prompt, 5)
+    ids = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, WIDTH)(ids)
+    with pytest.raises(ValueError, match="no TransformerDecoder"):
+        generate(keras.Model(ids, keras.layers.Dense(VOCAB)(x)), prompt, 5)
