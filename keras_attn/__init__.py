@@ -4,7 +4,7 @@ The same layers, and the same numbers, on TensorFlow, JAX and PyTorch
 (`KERAS_BACKEND=tensorflow|jax|torch`).
 """
 
-from keras_attn import generation, ops
+from keras_attn import distribution, generation, ops
 from keras_attn.layers import (
     MultiHeadAttention,
     SinusoidalEmbedding,
@@ -19,6 +19,7 @@ __all__ = [
     "SinusoidalEmbedding",
     "TransformerDecoder",
     "TransformerEncoder",
+    "distribution",
     "generation",
     "ops",
     "__version__",

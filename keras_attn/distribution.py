@@ -1,0 +1,217 @@
+"""Layout maps for `keras.distribution`: Megatron-style tensor parallelism.
+
+`get_layout_map` gives the `keras.distribution.LayoutMap` with which
+`keras.distribution.ModelParallel` splits the weights of keras_attn layers over
+the model axis of a device mesh while the batch is split over its data axis.
+`keras.distribution` places arrays on the JAX backend only (Keras 3.15).
+"""
+
+import re
+
+import keras
+
+_SPLIT = "<model axis>"  # Stands for `model_parallel_dim_name` below.
+
+# Every keras_attn weight, by the end of its variable path: the axes of its
+# layout and what the split dimension counts. As in Megatron-LM (Shoeybi et al.
+# 2019), the first matrix of each sublayer is split over its outputs (heads,
+# intermediate units) and the second over its inputs, so each attention and
+# feed-forward sublayer needs a single all-reduce.
+_WEIGHTS = (
+    ("query_kernel", (None, _SPLIT, None), "heads"),
+    ("query_bias", (_SPLIT, None), "heads"),
+    ("key_kernel", (None, _SPLIT, None), "key/value heads"),
+    ("key_bias", (_SPLIT, None), "key/value heads"),
+    ("value_kernel", (None, _SPLIT, None), "key/value heads"),
+    ("value_bias", (_SPLIT, None), "key/value heads"),
+    ("output_kernel", (_SPLIT, None, None), "heads"),
+    ("output_bias", (None,), None),
+    ("feedforward_intermediate_dense/kernel", (None, _SPLIT), "intermediate units"),
+    ("feedforward_intermediate_dense/bias", (_SPLIT,), "intermediate units"),
+    ("feedforward_output_dense/kernel", (_SPLIT, None), "intermediate units"),
+    ("feedforward_output_dense/bias", (None,), None),
+    ("embeddings", (None, _SPLIT), "embedding width"),
+    *(
+        (f"{sublayer}_layer_norm/{weight}", (None,), None)
+        for sublayer in ("self_attention", "cross_attention", "feedforward")
+        for weight in ("gamma", "beta")
+    ),
+)
+# Replicated where the model axis does not divide them: the key/value heads of
+# grouped-query attention. Every other split dimension must be divisible.
+_REPLICATED_IF_INDIVISIBLE = ("key_kernel", "key_bias", "value_kernel", "value_bias")
+
+
+def get_layout_map(
+    device_mesh,
+    model_parallel_dim_name="model",
+    data_parallel_dim_name="batch",
+    *,
+    model=None,
+):
+    """A `keras.distribution.LayoutMap` for Megatron-style tensor parallelism.
+
+    Splits the weights of keras_attn layers over the `model_parallel_dim_name`
+    axis of `device_mesh` as Megatron-LM does (Shoeybi et al. 2019): the
+    query/key/value projections over their heads and the output projection
+    `W_O` over its input heads, the first feed-forward matrix over its
+    intermediate units and the second over its inputs, the token embeddings
+    over their width. Layouts, `"model"` standing for the model axis:
+
+    - `query_kernel`, `key_kernel`, `value_kernel`: `(None, "model", None)`;
+      `query_bias`, `key_bias`, `value_bias`: `("model", None)`.
+    - `output_kernel`: `("model", None, None)`.
+    - `feedforward_intermediate_dense/kernel`: `(None, "model")`, its bias
+      `("model",)`; `feedforward_output_dense/kernel`: `("model", None)`.
+    - `embeddings` (`SinusoidalEmbedding` with a vocabulary): `(None, "model")`.
+    - `output_bias`, `feedforward_output_dense/bias` and the layer norms:
+      replicated, `(None,)`.
+
+    Every keras_attn weight is matched by exactly one rule. Weights of other
+    layers match none, and `ModelParallel` replicates them. Every weight is
+    replicated across `data_parallel_dim_name`, over which the batch is split.
+    Layouts only place the numbers: training gives the results of one device,
+    up to float rounding. They take effect on the JAX backend; on TensorFlow
+    and PyTorch, Keras 3.15 accepts a `ModelParallel` but places nothing.
+
+    Two modes:
+
+    - Without `model` (the usual order: the layout map first, then the model
+      created under the distribution), the keys are regular expressions on the
+      ends of the weights' paths (`.*/query_kernel$`), which match whatever
+      the layers are called. Every split dimension must then be divisible by
+      the model axis size (JAX raises when the weight is created otherwise).
+      A weight of another layer named `embeddings` (`keras.layers.Embedding`)
+      is split like the token embeddings.
+    - With a built `model`, the same rules are resolved against its weights,
+      keyed by their exact paths, and checked: the key/value projections of
+      grouped-query attention whose key/value heads the model axis size does
+      not divide are replicated; any other split dimension it does not divide
+      raises a `ValueError` naming the weight. Create the distributed model
+      with the same layer names: `keras.Model.from_config(model.get_config())`
+      under the distribution's scope, or a builder that names its layers
+      (generated names such as `transformer_encoder_1` change from one build
+      to the next).
+
+    Args:
+        device_mesh: `keras.distribution.DeviceMesh`, e.g. of shape
+            `(data, model)` with axis names `["batch", "model"]`.
+        model_parallel_dim_name: str. The mesh axis the weights are split over.
+            Defaults to `"model"`.
+        data_parallel_dim_name: str or `None`. The mesh axis the batch is split
+            over (pass it to `ModelParallel` as `batch_dim_name`); `None` for a
+            mesh without one. Defaults to `"batch"`.
+        model: optional built `keras.Model` or layer, whose weights get exact
+            rules, checked against the model axis size. Defaults to `None`.
+
+    Returns:
+        A `keras.distribution.LayoutMap` on `device_mesh`.
+
+    Example (a one-device mesh, for any backend; on JAX,
+    `keras.distribution.list_devices()` gives the devices to build one from):
+    >>> mesh = keras.distribution.DeviceMesh(
+    ...     (1, 1), ["batch", "model"], devices=["cpu:0"])
+    >>> layout_map = keras_attn.distribution.get_layout_map(mesh)
+    >>> layout_map["translator/encoder/self_attention/query_kernel"].axes
+    (None, 'model', None)
+    >>> layout_map["translator/encoder/feedforward_output_dense/kernel"].axes
+    ('model', None)
+    >>> distribution = keras.distribution.ModelParallel(
+    ...     layout_map=layout_map, batch_dim_name="batch")
+
+    Then create, compile and fit the model under `with distribution.scope():`.
+    With a model, exact paths:
+
+    >>> encoder = keras_attn.TransformerEncoder(
+    ...     64, num_heads=4, num_key_value_heads=2, name="encoder")
+    >>> _ = encoder(np.zeros((1, 3, 16)))
+    >>> layout_map = keras_attn.distribution.get_layout_map(mesh, model=encoder)
+    >>> layout_map["encoder/self_attention/key_kernel"].axes
+    (None, 'model', None)
+    """
+    axis_size = _model_axis_size(
+        device_mesh, model_parallel_dim_name, data_parallel_dim_name
+    )
+    rules = [
+        (f".*/{re.escape(suffix)}$", suffix, _axes(axes, model_parallel_dim_name), what)
+        for suffix, axes, what in _WEIGHTS
+    ]
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    if model is None:
+        for pattern, _, axes, _ in rules:
+            layout_map[pattern] = axes
+        return layout_map
+    # `LayoutMap` matches keys as regexes, even `in`: keep track of the paths.
+    paths = set()
+    for variable in _built_weights(model):
+        rule = next((r for r in rules if re.fullmatch(r[0], variable.path)), None)
+        if rule is None or len(variable.shape) != len(rule[2]):
+            continue  # Not a keras_attn weight.
+        if variable.path in paths:
+            raise ValueError(
+                f"Two weights of `model` have the path '{variable.path}', so a "
+                "layout map cannot tell them apart. Give the layers distinct "
+                "names."
+            )
+        paths.add(variable.path)
+        # Escaped: exact even with `.` or `+` in layer names.
+        layout_map[re.escape(variable.path)] = _checked_axes(variable, rule, axis_size)
+    return layout_map
+
+
+def _model_axis_size(device_mesh, model_dim, data_dim):
+    """Raise unless the axis names are the mesh's; return the model axis size."""
+    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+        raise TypeError(
+            "`device_mesh` must be a `keras.distribution.DeviceMesh`. "
+            f"Received: device_mesh={device_mesh!r} of type "
+            f"{type(device_mesh).__name__}."
+        )
+    names = list(device_mesh.axis_names)
+    if model_dim not in names:
+        raise ValueError(
+            "`model_parallel_dim_name` must name an axis of `device_mesh`. "
+            f"Received: model_parallel_dim_name={model_dim!r}, "
+            f"device_mesh.axis_names={names}."
+        )
+    if data_dim is not None and (data_dim not in names or data_dim == model_dim):
+        raise ValueError(
+            "`data_parallel_dim_name` must name another axis of `device_mesh` "
+            f"than the model axis, or be None. Received: "
+            f"data_parallel_dim_name={data_dim!r}, model_parallel_dim_name="
+            f"{model_dim!r}, device_mesh.axis_names={names}."
+        )
+    return device_mesh.shape[names.index(model_dim)]
+
+
+def _axes(axes, model_dim):
+    return tuple(model_dim if axis == _SPLIT else axis for axis in axes)
+
+
+def _built_weights(model):
+    if not getattr(model, "built", False):
+        raise ValueError(
+            "`model` must be built, so that its weights exist: create it from "
+            "`keras.Input`s or call it once on data. "
+            f"Received: model '{model.name}', not built."
+        )
+    return model.weights
+
+
+def _checked_axes(variable, rule, axis_size):
+    """The rule's axes where the model axis divides the split dimension;
+    replicated for grouped-query key/value heads; a `ValueError` otherwise."""
+    _, suffix, axes, what = rule
+    split = [i for i, axis in enumerate(axes) if axis is not None]
+    if not split or variable.shape[split[0]] % axis_size == 0:
+        return axes
+    if suffix in _REPLICATED_IF_INDIVISIBLE:
+        return (None,) * len(axes)
+    dim, size = split[0], variable.shape[split[0]]
+    raise ValueError(
+        f"The model axis '{axes[dim]}' (size {axis_size}) must divide the "
+        f"{what} of every keras_attn layer: tensor parallelism splits them over "
+        f"it. Received: weight '{variable.path}' of shape "
+        f"{tuple(variable.shape)}, whose dimension {dim} ({what}) is {size}. "
+        f"Use a model axis whose size divides {size}, or change the layer."
+    )

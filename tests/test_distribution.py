@@ -1,0 +1,551 @@
+"""`keras_attn.distribution` and training on several devices.
+
+The layout rules are checked in this process, on every backend. Training on
+several devices runs in subprocesses, so that this process keeps its one device:
+
+- `python -m tests.test_distribution jax OUT`: 8 virtual CPU devices,
+  `keras.distribution` (which places arrays on JAX only), in the JAX run;
+- `python -m tests.test_distribution tensorflow OUT`: 2 logical CPU devices,
+  `tf.distribute.MirroredStrategy`, in the TensorFlow run.
+
+Each writes its numbers to OUT once per session; the tests check them.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_attn
+from keras_attn.distribution import get_layout_map
+from tests.helpers import BACKEND
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, WIDTH, HEADS, INTERMEDIATE = 13, 16, 4, 24
+SOURCE_LENGTH, TARGET_LENGTH, BATCH, STEPS = 7, 5, 8, 3
+MESH = (2, 4)  # ("batch", "model")
+
+# The layout of every keras_attn weight, by the end of its path, written out
+# independently of keras_attn/distribution.py.
+EXPECTED = {
+    "query_kernel": (None, "model", None),
+    "key_kernel": (None, "model", None),
+    "value_kernel": (None, "model", None),
+    "query_bias": ("model", None),
+    "key_bias": ("model", None),
+    "value_bias": ("model", None),
+    "output_kernel": ("model", None, None),
+    "output_bias": (None,),
+    "feedforward_intermediate_dense/kernel": (None, "model"),
+    "feedforward_intermediate_dense/bias": ("model",),
+    "feedforward_output_dense/kernel": ("model", None),
+    "feedforward_output_dense/bias": (None,),
+    "embeddings": (None, "model"),
+    **{
+        f"{sublayer}_layer_norm/{weight}": (None,)
+        for sublayer in ("self_attention", "cross_attention", "feedforward")
+        for weight in ("gamma", "beta")
+    },
+}
+KEY_VALUE = re.compile(r".*/(key|value)_(kernel|bias)")
+
+
+def expected_axes(path):
+    """The layout of a keras_attn weight; `None` for the Dense head."""
+    if path.startswith("logits/"):
+        return None
+    (end,) = [end for end in EXPECTED if path.endswith("/" + end)]
+    return EXPECTED[end]
+
+
+def fake_mesh(model_axis, data_axis=1):
+    """A mesh for building layout maps (no array is placed on its devices)."""
+    devices = [f"cpu:{i}" for i in range(data_axis * model_axis)]
+    return keras.distribution.DeviceMesh(
+        (data_axis, model_axis), ["batch", "model"], devices=devices
+    )
+
+
+def encoder_decoder(num_key_value_heads=None, heads=HEADS, width=WIDTH, names=()):
+    """Embeddings, an encoder, a cross-attending decoder, a Dense head.
+
+    The layers are named, so that every build has the same variable paths.
+    """
+    names = {
+        "source": "source_embedding",
+        "target": "target_embedding",
+        "encoder": "encoder",
+        "decoder": "decoder",
+        **dict(names),
+    }
+    block = dict(
+        intermediate_dim=INTERMEDIATE,
+        num_heads=heads,
+        num_key_value_heads=num_key_value_heads,
+    )
+    embedding = dict(embedding_dim=width, vocabulary_size=VOCAB, mask_zero=True)
+    source = keras.Input((None,), dtype="int32", name="source")
+    target = keras.Input((None,), dtype="int32", name="target")
+    x = keras_attn.SinusoidalEmbedding(**embedding, name=names["source"])(source)
+    x = keras_attn.TransformerEncoder(**block, name=names["encoder"])(x)
+    y = keras_attn.SinusoidalEmbedding(**embedding, name=names["target"])(target)
+    y = keras_attn.TransformerDecoder(**block, name=names["decoder"])(y, x)
+    logits = keras.layers.Dense(VOCAB, name="logits")(y)
+    return keras.Model([source, target], logits, name="translator")
+
+
+def batch():
+    """Fixed token ids, padded (id 0) at some ends, and next-token labels."""
+    rng = np.random.default_rng(0)
+    source = rng.integers(1, VOCAB, (BATCH, SOURCE_LENGTH)).astype("int32")
+    target = rng.integers(1, VOCAB, (BATCH, TARGET_LENGTH + 1)).astype("int32")
+    source[::2, -2:] = 0
+    target[1::2, -2:] = 0
+    return (source, target[:, :-1]), target[:, 1:]
+
+
+def train(model, initial_weights, fit=False):
+    """`STEPS` SGD steps on `batch()` from `initial_weights`; the losses.
+
+    `train_on_batch`, or `fit` (one batch per epoch), which is what splits the
+    batch over the replicas of a `tf.distribute` strategy.
+    """
+    model.set_weights(initial_weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    inputs, labels = batch()
+    if fit:
+        history = model.fit(
+            inputs, labels, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0
+        )
+        return history.history["loss"]
+    return [float(model.train_on_batch(inputs, labels)) for _ in range(STEPS)]
+
+
+def to_numpy(weights):
+    return [keras.ops.convert_to_numpy(w) for w in weights]
+
+
+def keras_attn_weights(model):
+    return [w for w in model.weights if not w.path.startswith("logits/")]
+
+
+# In this process, on every backend: the rules.
+
+
+def test_every_keras_attn_weight_matches_exactly_one_rule():
+    model = encoder_decoder()
+    layout_map = get_layout_map(fake_mesh(4))
+    for weight in model.weights:
+        matches = [key for key in layout_map if re.fullmatch(key, weight.path)]
+        # Older Keras matched keys with `re.search`: the same matches.
+        assert matches == [key for key in layout_map if re.search(key, weight.path)]
+        layout = layout_map[weight.path]  # Raises if several keys match.
+        if weight.path.startswith("logits/"):  # Keras' Dense: replicated.
+            assert matches == [] and layout is None
+            continue
+        assert len(matches) == 1, (weight.path, matches)
+        assert layout.axes == expected_axes(weight.path), weight.path
+        assert len(layout.axes) == len(weight.shape), weight.path
+
+
+def test_no_rule_matches_two_kinds_of_weights():
+    model = encoder_decoder()
+    layout_map = get_layout_map(fake_mesh(4))
+    for key in layout_map:
+        ends = {
+            next(e for e in EXPECTED if w.path.endswith("/" + e))
+            for w in keras_attn_weights(model)
+            if re.fullmatch(key, w.path)
+        }
+        assert len(ends) == 1, (key, ends)
+
+
+def test_rules_match_whatever_the_layers_are_called():
+    layout_map = get_layout_map(fake_mesh(4))
+    names = {"source": "a", "target": "query_kernel", "encoder": "x-1", "decoder": "y"}
+    for weight in keras_attn_weights(encoder_decoder(names=names)):
+        assert layout_map[weight.path].axes == expected_axes(weight.path)
+    # A standalone attention layer without biases.
+    attention = keras_attn.MultiHeadAttention(4, use_bias=False, name="attention")
+    attention(np.zeros((1, 3, 8)))
+    assert [layout_map[w.path].axes for w in attention.weights] == [
+        (None, "model", None),
+        (None, "model", None),
+        (None, "model", None),
+        ("model", None, None),
+    ]
+
+
+def test_model_rules_are_the_exact_paths_of_its_keras_attn_weights():
+    model = encoder_decoder()
+    layout_map = get_layout_map(fake_mesh(4), model=model)
+    assert sorted(layout_map) == sorted(w.path for w in keras_attn_weights(model))
+    for weight in model.weights:
+        layout = layout_map[weight.path]
+        assert (layout and layout.axes) == expected_axes(weight.path), weight.path
+
+
+def test_model_rules_escape_regex_characters_in_names():
+    # (Not `.`, which PyTorch does not allow in parameter names.)
+    names = {"source": "s+", "target": "t*", "encoder": "e(1)", "decoder": "d[0]"}
+    layout_map = get_layout_map(fake_mesh(2), model=encoder_decoder(names=names))
+    for weight in keras_attn_weights(encoder_decoder(names=names)):
+        assert layout_map[weight.path].axes == expected_axes(weight.path)
+    assert layout_map["ss/embeddings"] is None
+    assert layout_map["ttt/embeddings"] is None
+
+
+def test_grouped_query_key_values_are_replicated_when_heads_do_not_divide():
+    model = encoder_decoder(num_key_value_heads=2)  # 4 query heads.
+    layout_map = get_layout_map(fake_mesh(4), model=model)
+    replicated = []
+    for weight in keras_attn_weights(model):
+        axes = layout_map[weight.path].axes
+        if KEY_VALUE.fullmatch(weight.path):
+            assert axes == (None,) * len(weight.shape), weight.path
+            replicated.append(weight.path)
+        else:
+            assert axes == expected_axes(weight.path), weight.path
+    assert len(replicated) == 12  # 3 attention layers, 2 kernels, 2 biases.
+    # A model axis of 2 divides the 2 key/value heads: they are split.
+    layout_map = get_layout_map(fake_mesh(2), model=model)
+    for path in replicated:
+        assert layout_map[path].axes == expected_axes(path), path
+
+
+@pytest.mark.parametrize(
+    "kwargs, model_axis, message",
+    [
+        (
+            {"heads": 2},
+            4,
+            r"The model axis 'model' \(size 4\) must divide the heads of every "
+            r"keras_attn layer: .* Received: weight "
+            r"'encoder/self_attention/query_kernel' of shape \(16, 2, 8\), whose "
+            r"dimension 1 \(heads\) is 2\. Use a model axis whose size divides 2",
+        ),
+        (
+            {"width": 20},  # 4 heads of 5.
+            8,
+            r"\(size 8\) .* Received: weight 'source_embedding/embeddings' of "
+            r"shape \(13, 20\), whose dimension 1 \(embedding width\) is 20",
+        ),
+    ],
+)
+def test_model_axis_that_does_not_divide_raises(kwargs, model_axis, message):
+    model = encoder_decoder(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        get_layout_map(fake_mesh(model_axis), model=model)
+
+
+def test_intermediate_units_that_do_not_divide_raise():
+    encoder = keras_attn.TransformerEncoder(10, 4, name="encoder")
+    encoder(np.zeros((1, 3, 8)))
+    with pytest.raises(
+        ValueError,
+        match=r"'encoder/feedforward_intermediate_dense/kernel' of shape \(8, 10\), "
+        r"whose dimension 1 \(intermediate units\) is 10",
+    ):
+        get_layout_map(fake_mesh(4), model=encoder)
+
+
+def test_argument_errors():
+    mesh = fake_mesh(2)
+    with pytest.raises(TypeError, match=r"Received: device_mesh=\(1, 2\) of type"):
+        get_layout_map((1, 2))
+    with pytest.raises(ValueError, match="model_parallel_dim_name='tensor'"):
+        get_layout_map(mesh, model_parallel_dim_name="tensor")
+    with pytest.raises(ValueError, match="data_parallel_dim_name='data'"):
+        get_layout_map(mesh, data_parallel_dim_name="data")
+    with pytest.raises(ValueError, match="data_parallel_dim_name='model'"):
+        get_layout_map(mesh, data_parallel_dim_name="model")
+    with pytest.raises(ValueError, match="`model` must be built.*'encoder'"):
+        get_layout_map(mesh, model=keras_attn.TransformerEncoder(8, 2, name="encoder"))
+
+
+def test_mesh_with_a_model_axis_only():
+    mesh = keras.distribution.DeviceMesh((2,), ["tensor"], devices=["cpu:0", "cpu:1"])
+    layout_map = get_layout_map(
+        mesh, model_parallel_dim_name="tensor", data_parallel_dim_name=None
+    )
+    assert layout_map["encoder/self_attention/output_kernel"].axes == (
+        "tensor",
+        None,
+        None,
+    )
+
+
+# Subprocesses: training on several devices.
+
+JAX_ONLY = pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="keras.distribution places arrays on JAX only: the multi-device "
+    "subprocesses run once, in the JAX run of the suite",
+)
+
+
+EXAMPLE = [
+    "examples/distributed_training.py",
+    "--strategy=model",
+    "--mesh=2x2",
+    "--steps=2",
+    "--batch-size=4",
+    "--embedding-dim=16",
+    "--num-heads=4",
+    "--intermediate-dim=16",
+]
+
+
+def start(args, **env):
+    """A Python subprocess in the repository root, on CPU devices only."""
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
+    environment.update(env)
+    environment = {k: v for k, v in environment.items() if v is not None}
+    return subprocess.Popen(
+        [sys.executable, *map(str, args)],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(process):
+    """Wait for `process`; its output, after checking that it succeeded."""
+    log, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, log[-5000:]
+    return log
+
+
+def results_in(out):
+    return json.loads((out / "results.json").read_text()), np.load(out / "arrays.npz")
+
+
+@pytest.fixture(scope="module")
+def jax_processes(tmp_path_factory):
+    """The 8-device checks and the example, started together so they overlap."""
+    out = tmp_path_factory.mktemp("jax_8_devices")
+    flags = os.environ.get("XLA_FLAGS", "")
+    checks = start(
+        ["-m", "tests.test_distribution", "jax", out],
+        KERAS_BACKEND="jax",
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8",
+    )
+    example = start(EXAMPLE, KERAS_BACKEND=None)  # It picks JAX itself.
+    yield {"out": out, "checks": checks, "example": example}
+    for process in (checks, example):
+        if process.poll() is None:  # Its tests were deselected.
+            process.kill()
+            process.communicate()
+
+
+@pytest.fixture(scope="module")
+def jax_run(jax_processes):
+    finish(jax_processes["checks"])
+    out = jax_processes["out"]
+    return (out, *results_in(out))
+
+
+def assert_same_training(results, arrays, name, reference="single"):
+    np.testing.assert_allclose(
+        results[name]["losses"], results[reference]["losses"], rtol=1e-5, atol=1e-5
+    )
+    for i, path in enumerate(results["paths"]):
+        np.testing.assert_allclose(
+            arrays[f"{name}/{i}"],
+            arrays[f"{reference}/{i}"],
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=path,
+        )
+
+
+@JAX_ONLY
+def test_data_parallel_on_8_devices_trains_like_one_device(jax_run):
+    _, results, arrays = jax_run
+    assert_same_training(results, arrays, "data")
+    assert results["losses_decrease"]
+    for path, spec in results["data"]["specs"].items():
+        assert spec == [None] * len(spec), path  # Replicated.
+
+
+@JAX_ONLY
+def test_model_parallel_on_2x4_devices_trains_like_one_device(jax_run):
+    _, results, arrays = jax_run
+    assert_same_training(results, arrays, "model")
+
+
+@JAX_ONLY
+def test_model_parallel_shards_weights_and_optimizer_variables(jax_run):
+    _, results, _ = jax_run
+    specs = results["model"]["specs"]
+    assert set(specs) == set(results["paths"])
+    for path, spec in specs.items():
+        expected = expected_axes(path) or (None,) * len(spec)
+        assert spec == list(expected), path
+    momentums = results["model"]["momentum_specs"]
+    assert momentums and all(momentums[path] == specs[path] for path in momentums)
+
+
+@JAX_ONLY
+def test_grouped_query_model_rules_on_2x4_devices(jax_run):
+    _, results, _ = jax_run
+    grouped = results["grouped_query"]
+    for path, spec in grouped["specs"].items():
+        if KEY_VALUE.fullmatch(path):
+            assert spec == [None] * len(spec), path  # 2 key/value heads, 4 devices.
+        else:
+            assert spec == list(expected_axes(path) or (None,) * len(spec)), path
+    assert grouped["max_difference"] < 1e-5
+
+
+@JAX_ONLY
+def test_model_trained_in_parallel_loads_on_one_device(jax_run):
+    out, _, arrays = jax_run
+    assert keras.distribution.distribution() is None
+    model = keras.models.load_model(out / "model_parallel.keras")
+    for i, weight in enumerate(model.weights):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(weight), arrays[f"model/{i}"]
+        )
+    inputs, _ = batch()
+    np.testing.assert_allclose(
+        model.predict(inputs, batch_size=BATCH, verbose=0),
+        arrays["model/predictions"],
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.skipif(
+    BACKEND != "tensorflow",
+    reason="tf.distribute needs the TensorFlow backend; runs in its run of the suite",
+)
+def test_mirrored_strategy_on_2_devices_trains_like_one_device(tmp_path):
+    process = start(["-m", "tests.test_distribution", "tensorflow", tmp_path])
+    finish(process)
+    results, arrays = results_in(tmp_path)
+    assert results["mirrored"]["replicas"] == 2
+    assert "Mirrored" in results["mirrored"]["variable_type"]
+    assert_same_training(results, arrays, "mirrored")
+
+
+@JAX_ONLY
+def test_distributed_training_example_runs(jax_processes):
+    log = finish(jax_processes["example"])
+    assert "ModelParallel device_mesh=<DeviceMesh shape=(2, 2)" in log
+    assert "P(None, 'model', None)" in log  # The query kernel, sharded.
+    assert "held-out loss" in log
+
+
+# The subprocesses: `python -m tests.test_distribution jax|tensorflow OUT`.
+
+
+def spec(variable):
+    """A JAX variable's sharding spec as a list; `None` on a single device."""
+    sharding = variable.value.sharding
+    return list(sharding.spec) if hasattr(sharding, "spec") else None
+
+
+def jax_on_8_devices(out):
+    """One device, `DataParallel` on 8, `ModelParallel` on 2 x 4 devices."""
+    assert len(keras.distribution.list_devices()) == 8
+    keras.utils.set_random_seed(0)
+    initial = to_numpy(encoder_decoder().weights)
+    mesh = keras.distribution.DeviceMesh(MESH, ["batch", "model"])
+    runs = {
+        "single": None,
+        "data": keras.distribution.DataParallel(),
+        "model": keras.distribution.ModelParallel(
+            layout_map=get_layout_map(mesh), batch_dim_name="batch"
+        ),
+    }
+    results, arrays = {}, {}
+    inputs, _ = batch()
+    for name, distribution in runs.items():
+        keras.distribution.set_distribution(distribution)
+        model = encoder_decoder()
+        results[name] = {"losses": train(model, initial)}
+        arrays.update({f"{name}/{i}": w for i, w in enumerate(to_numpy(model.weights))})
+        results[name]["specs"] = {w.path: spec(w) for w in model.weights}
+        results[name]["momentum_specs"] = {
+            w.path: spec(m)
+            for w, m in zip(
+                model.trainable_weights, model.optimizer.momentums, strict=True
+            )
+        }
+    # Trained under `ModelParallel`: its predictions, and the file.
+    arrays["model/predictions"] = model.predict(inputs, batch_size=BATCH, verbose=0)
+    model.save(out / "model_parallel.keras")
+    results["paths"] = [w.path for w in model.weights]
+    results["losses_decrease"] = (
+        results["single"]["losses"][-1] < results["single"]["losses"][0]
+    )
+    results["grouped_query"] = grouped_query_on(mesh)
+    (out / "results.json").write_text(json.dumps(results))
+    np.savez(out / "arrays.npz", **arrays)
+
+
+def grouped_query_on(mesh):
+    """Rules from `model=`: 2 key/value heads on a model axis of 4."""
+    keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(1)
+    single = encoder_decoder(num_key_value_heads=2)
+    inputs, _ = batch()
+    expected = single.predict(inputs, batch_size=BATCH, verbose=0)
+    layout_map = get_layout_map(mesh, model=single)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    with distribution.scope():
+        model = encoder_decoder(num_key_value_heads=2)
+        model.set_weights(single.get_weights())
+        predictions = model.predict(inputs, batch_size=BATCH, verbose=0)
+    return {
+        "specs": {w.path: spec(w) for w in model.weights},
+        "max_difference": float(np.max(np.abs(predictions - expected))),
+    }
+
+
+def tensorflow_on_2_devices(out):
+    """One device, then `MirroredStrategy` on 2 logical CPU devices."""
+    import tensorflow as tf
+
+    # Before TensorFlow initializes its devices (no op has run yet).
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    keras.utils.set_random_seed(0)
+    single = encoder_decoder()
+    initial = to_numpy(single.weights)
+    results = {"single": {"losses": train(single, initial, fit=True)}}
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        mirrored = encoder_decoder()
+        results["mirrored"] = {
+            "losses": train(mirrored, initial, fit=True),
+            "replicas": strategy.num_replicas_in_sync,
+            "variable_type": type(mirrored.weights[0].value).__name__,
+        }
+    results["paths"] = [w.path for w in single.weights]
+    arrays = {}
+    for name, model in (("single", single), ("mirrored", mirrored)):
+        arrays.update({f"{name}/{i}": w for i, w in enumerate(to_numpy(model.weights))})
+    (out / "results.json").write_text(json.dumps(results))
+    np.savez(out / "arrays.npz", **arrays)
+
+
+if __name__ == "__main__":
+    kind, out = sys.argv[1], Path(sys.argv[2])
+    {"jax": jax_on_8_devices, "tensorflow": tensorflow_on_2_devices}[kind](out)
