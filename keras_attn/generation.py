@@ -7,6 +7,7 @@ with key/value caches, inside one compiled `keras.ops.while_loop` on JAX and
 TensorFlow (through `Model.predict_on_batch`) and eagerly on PyTorch.
 """
 
+import math
 import random
 import weakref
 
@@ -119,6 +120,12 @@ def generate(
     plan = _DecodingPlan(model)
     prompt, encoder_inputs = plan.split_inputs(inputs)
     prompt, pads, right_padded = _left_pad(prompt, pad_token_id, max_length)
+    _check_token_ids(
+        prompt,
+        plan.embedding.vocabulary_size,
+        pad_token_id=pad_token_id,
+        end_token_id=end_token_id,
+    )
     length = max_length + (int(pads.max()) if right_padded else 0)
     generator = _generator(model, plan, length, settings)
     seed = random.randrange(2**31 - 1) if seed is None else seed
@@ -156,7 +163,7 @@ def _check_settings(
     if end_token_id is not None:
         _check_int("end_token_id", end_token_id, minimum=0)
     if seed is not None:
-        _check_int("seed", seed, minimum=0)
+        _check_int("seed", seed, minimum=0, maximum=2**31 - 1)
     if top_k is not None:
         _check_int("top_k", top_k, minimum=1)
     if not isinstance(temperature, int | float) or not temperature > 0:
@@ -170,6 +177,11 @@ def _check_settings(
         raise TypeError(
             f"`length_penalty` must be a number. Received: {length_penalty!r}."
         )
+    if not math.isfinite(length_penalty):
+        raise ValueError(
+            "`length_penalty` must be finite. "
+            f"Received: length_penalty={length_penalty!r}."
+        )
     return (
         method,
         float(temperature),
@@ -182,7 +194,7 @@ def _check_settings(
     )
 
 
-def _check_int(name, value, minimum):
+def _check_int(name, value, minimum, maximum=None):
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(
             f"`{name}` must be an int. Received: {name}={value!r} "
@@ -190,6 +202,24 @@ def _check_int(name, value, minimum):
         )
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"`{name}` must be <= {maximum}. Received: {name}={value}.")
+
+
+def _check_token_ids(prompt, vocabulary_size, **ids):
+    """Raise unless the ids are in `[0, vocabulary_size)` of the token embedding."""
+    for name, value in ids.items():
+        if value is not None and value >= vocabulary_size:
+            raise ValueError(
+                f"`{name}` must be a token id < vocabulary_size={vocabulary_size} "
+                f"of the model's embedding. Received: {name}={value}."
+            )
+    if prompt.size and (prompt.min() < 0 or prompt.max() >= vocabulary_size):
+        raise ValueError(
+            "The prompt's token ids must be in [0, vocabulary_size="
+            f"{vocabulary_size}) of the model's embedding. Received: ids from "
+            f"{prompt.min()} to {prompt.max()}."
+        )
 
 
 def _left_pad(prompt, pad_token_id, max_length):

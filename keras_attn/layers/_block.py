@@ -4,17 +4,20 @@ import keras
 from keras import ops
 
 from keras_attn.layers._utils import (
+    ConfigCheck,
     check_bool,
     check_positive_float,
     check_positive_int,
     check_rank,
     check_rate,
+    check_width,
     clone_initializer,
+    get_keras_object,
 )
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
 
 
-class TransformerBlock(keras.layers.Layer):
+class TransformerBlock(ConfigCheck, keras.layers.Layer):
     """Base of `TransformerEncoder` and `TransformerDecoder` (not public).
 
     Holds the shared arguments and builds the pieces every block has: attention
@@ -42,7 +45,9 @@ class TransformerBlock(keras.layers.Layer):
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.dropout = check_rate("dropout", dropout)
-        self.activation = keras.activations.get(activation)
+        self.activation = get_keras_object(
+            "activation", keras.activations.get, activation
+        )
         self.layer_norm_epsilon = check_positive_float(
             "layer_norm_epsilon", layer_norm_epsilon
         )
@@ -56,8 +61,12 @@ class TransformerBlock(keras.layers.Layer):
                 "`num_key_value_heads` must divide `num_heads`. Received: "
                 f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
             )
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_initializer = get_keras_object(
+            "kernel_initializer", keras.initializers.get, kernel_initializer
+        )
+        self.bias_initializer = get_keras_object(
+            "bias_initializer", keras.initializers.get, bias_initializer
+        )
         self.flash_attention = check_bool(
             "flash_attention", flash_attention, allow_none=True
         )
@@ -65,6 +74,8 @@ class TransformerBlock(keras.layers.Layer):
 
     def _check_width(self, name, shape):
         check_rank(name, shape, 3, "(batch, length, width)")
+        if self.built:
+            check_width(name, shape, self.feedforward_output_dense.units)
         width = shape[-1]
         if self.key_dim is None and (width is None or width % self.num_heads):
             raise ValueError(

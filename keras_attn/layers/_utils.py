@@ -1,6 +1,7 @@
 """Helpers shared by the layers: argument checks (one message style, raised
-before any state changes) and initializer cloning."""
+before any state changes), config checks on load and initializer cloning."""
 
+import inspect
 import numbers
 
 import keras
@@ -18,10 +19,13 @@ def check_seed(seed):
     """Raise unless `seed` is `None` or an int >= 0."""
     if seed is None:
         return None
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(
-            f"`seed` must be None or an int >= 0. Received: seed={seed!r}."
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(
+            "`seed` must be None or an int >= 0. "
+            f"Received: seed={seed!r} of type {type(seed).__name__}."
         )
+    if seed < 0:
+        raise ValueError(f"`seed` must be None or an int >= 0. Received: seed={seed}.")
     return int(seed)
 
 
@@ -86,6 +90,63 @@ def check_rank(name, shape, rank, description):
         )
 
 
+def check_float(name, tensor):
+    """Raise unless `tensor` has a floating dtype."""
+    dtype = keras.backend.standardize_dtype(tensor.dtype)
+    if "float" not in dtype:
+        raise TypeError(
+            f"`{name}` must be a float tensor. Received: {name}.dtype={dtype}."
+        )
+
+
+def check_width(name, shape, width):
+    """Raise unless the last dimension of `shape` is the `width` built for."""
+    if _known(shape[-1]) and _known(width) and shape[-1] != width:
+        raise ValueError(
+            f"`{name}` must have the width the layer was built with. "
+            f"Received: {name}.shape={tuple(shape)}, built width={width}."
+        )
+
+
+def check_index(name, index, length, size):
+    """Raise unless `index` is an int (or scalar int tensor) where `length`
+    positions fit in `size`; where both are known, for Python ints."""
+    if isinstance(index, bool) or not (
+        isinstance(index, numbers.Integral) or hasattr(index, "dtype")
+    ):
+        raise TypeError(
+            f"`{name}` must be an int or a scalar int tensor. "
+            f"Received: {name}={index!r} of type {type(index).__name__}."
+        )
+    if not isinstance(index, numbers.Integral):
+        dtype = keras.backend.standardize_dtype(index.dtype)
+        if "int" not in dtype or len(index.shape) != 0:
+            raise TypeError(
+                f"`{name}` must be an int or a scalar int tensor. Received: "
+                f"{name}.dtype={dtype}, {name}.shape={tuple(index.shape)}."
+            )
+        return
+    if index < 0 or (_known(length) and _known(size) and index + length > size):
+        raise ValueError(
+            f"`{name}` must leave room for the {length} new positions in the "
+            f"cache of length {size}: 0 <= {name} <= {size} - {length}. "
+            f"Received: {name}={index}."
+        )
+
+
+def get_keras_object(name, get, identifier):
+    """`get(identifier)` (e.g. `keras.initializers.get`), naming `name` on error."""
+    try:
+        return get(identifier)
+    except (TypeError, ValueError) as error:
+        kind = name.split("_")[-1]  # kernel_initializer -> initializer
+        error_class = ValueError if isinstance(identifier, str | dict) else TypeError
+        raise error_class(
+            f"`{name}` must be a Keras {kind}, or the name or config of one. "
+            f"Received: {name}={identifier!r}."
+        ) from error
+
+
 def check_mask(name, mask, expected_shape, broadcast=False):
     """Raise unless `mask` fits `expected_shape`, dims compared where both are known.
 
@@ -128,3 +189,64 @@ def _known(dim):
 
 def _describe(shape):
     return "(" + ", ".join(str(d) if _known(d) else "None" for d in shape) + ")"
+
+
+class ConfigCheck:
+    """Mixin giving a layer a `from_config` that explains configs it cannot read.
+
+    A `.keras` file written by a newer keras_attn may carry arguments this
+    version does not know; one written by an older version may lack ones it
+    requires. Both raise a `ValueError` naming the layer, the keys and the
+    installed version, instead of a `TypeError` from deep inside Keras.
+    """
+
+    @classmethod
+    def from_config(cls, config):
+        check_config(cls, config)
+        return super().from_config(config)
+
+
+def check_config(cls, config):
+    """Raise unless `cls(**config)` gets only arguments it accepts, and all it needs.
+
+    Accepted: the named arguments of every `__init__` from `cls` to
+    `keras.layers.Layer`. A subclass from elsewhere taking `**kwargs` may accept
+    anything, so then only missing arguments are checked.
+    """
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted, open_ended = {"input_dim", "input_shape"}, False
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        accepted |= {p.name for p in parameters if p.kind in named}
+        if klass is keras.layers.Layer:
+            break
+        open_ended |= not klass.__module__.startswith("keras_attn.") and any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+        )
+    unknown = [] if open_ended else sorted(set(config) - accepted - {"self"})
+    missing = sorted(
+        p.name
+        for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+        if p.kind in named and p.default is p.empty and p.name not in config
+    )
+    if not unknown and not missing:
+        return
+    from keras_attn import __version__  # here: the package imports this module
+
+    received, advice = [], []
+    if unknown:
+        received.append(f"unknown arguments {unknown}")
+        advice.append("a newer keras_attn saved it: upgrade keras_attn")
+    if missing:
+        received.append(f"missing required arguments {missing}")
+        advice.append(
+            "an older keras_attn saved it: install the version that saved it "
+            "(downgrade keras_attn)"
+        )
+    raise ValueError(
+        f"Cannot create {cls.__name__} from its saved config with keras_attn "
+        f"{__version__}. Received: {' and '.join(received)}. "
+        f"Probably {'; or '.join(advice)}."
+    )

@@ -3,17 +3,23 @@
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_attn import ops as attn_ops
 from keras_attn.layers._utils import (
+    ConfigCheck,
     check_bool,
+    check_float,
+    check_index,
     check_mask,
     check_positive_int,
     check_rank,
     check_rate,
     check_seed,
+    check_width,
     clone_initializer,
+    get_keras_object,
 )
 
 
@@ -34,7 +40,7 @@ def _matrix_initializer(initializer, fan_in_axes):
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
-class MultiHeadAttention(keras.layers.Layer):
+class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     """Multi-head attention, softmax(QK^T / sqrt(d_k)) V per head, then W_O.
 
     As in Vaswani et al. (2017), with grouped-query attention
@@ -157,12 +163,24 @@ class MultiHeadAttention(keras.layers.Layer):
         self.flash_attention = check_bool(
             "flash_attention", flash_attention, allow_none=True
         )
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
-        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
-        self.kernel_constraint = keras.constraints.get(kernel_constraint)
-        self.bias_constraint = keras.constraints.get(bias_constraint)
+        self.kernel_initializer = get_keras_object(
+            "kernel_initializer", keras.initializers.get, kernel_initializer
+        )
+        self.bias_initializer = get_keras_object(
+            "bias_initializer", keras.initializers.get, bias_initializer
+        )
+        self.kernel_regularizer = get_keras_object(
+            "kernel_regularizer", keras.regularizers.get, kernel_regularizer
+        )
+        self.bias_regularizer = get_keras_object(
+            "bias_regularizer", keras.regularizers.get, bias_regularizer
+        )
+        self.kernel_constraint = get_keras_object(
+            "kernel_constraint", keras.constraints.get, kernel_constraint
+        )
+        self.bias_constraint = get_keras_object(
+            "bias_constraint", keras.constraints.get, bias_constraint
+        )
         self.seed = check_seed(seed)
         self.supports_masking = True
 
@@ -258,9 +276,21 @@ class MultiHeadAttention(keras.layers.Layer):
             attention_mask,
             cache,
             cache_update_index,
+            query_mask=query_mask,
+            mask=mask,
+            use_causal_mask=use_causal_mask,
+            return_attention_scores=return_attention_scores,
         )
-        q = self._project_heads(query, self.query_kernel, self.query_bias)
-        k, v, cache = self._keys_and_values(key, value, cache, cache_update_index)
+        fuse = self_attention and (cache is None or cache_update_index is not None)
+        if fuse and not _distributed():
+            q, k, v = self._project_self_attention(query)
+        else:
+            q, k, v = (
+                self._project_heads(query, self.query_kernel, self.query_bias),
+                key,
+                value,
+            )
+        k, v, cache = self._keys_and_values(k, v, cache, cache_update_index)
         attention_mask = attn_ops.merge_attention_masks(
             _merge_padding(value_mask, key_mask), attention_mask
         )
@@ -294,17 +324,49 @@ class MultiHeadAttention(keras.layers.Layer):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _keys_and_values(self, key, value, cache, cache_update_index):
-        """Projected keys and values `(B, S, K, D)`, read from or written to a cache."""
+        """Keys and values `(B, S, K, D)`, read from or written to a cache.
+
+        `key` and `value` are the inputs `(B, S, width)`, or already projected
+        `(B, S, K, D)` in self-attention.
+        """
         if cache is not None and cache_update_index is None:
             return cache[:, 0], cache[:, 1], cache  # precomputed, e.g. the encoder's
-        k = self._project_heads(key, self.key_kernel, self.key_bias)
-        v = self._project_heads(value, self.value_kernel, self.value_bias)
+        if len(key.shape) == 3:
+            key = self._project_heads(key, self.key_kernel, self.key_bias)
+            value = self._project_heads(value, self.value_kernel, self.value_bias)
         if cache is None:
-            return k, v, None
-        update = ops.cast(ops.stack([k, v], axis=1), cache.dtype)  # (B, 2, T, K, D)
+            return key, value, None
+        update = ops.stack([key, value], axis=1)  # (B, 2, T, K, D)
         start = [0, 0, ops.cast(cache_update_index, "int32"), 0, 0]
-        cache = ops.slice_update(cache, start, update)
+        cache = ops.slice_update(cache, start, ops.cast(update, cache.dtype))
         return cache[:, 0], cache[:, 1], cache
+
+    def _project_self_attention(self, inputs):
+        """Queries, keys and values of one input in one matmul (fused QKV)."""
+        projections = (
+            (self.query_kernel, self.query_bias),
+            (self.key_kernel, self.key_bias),
+            (self.value_kernel, self.value_bias),
+        )
+        width, dtype = inputs.shape[-1], inputs.dtype
+        kernel = ops.concatenate(
+            [ops.reshape(ops.cast(k, dtype), (width, -1)) for k, _ in projections],
+            axis=-1,
+        )  # (width, (H + 2K) * D)
+        projected = ops.matmul(inputs, kernel)
+        if self.use_bias:
+            biases = [ops.reshape(ops.cast(b, dtype), (-1,)) for _, b in projections]
+            projected = projected + ops.concatenate(biases, axis=-1)
+        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
+        heads = [k.shape[1] for k, _ in projections]
+        dims = [k.shape[2] for k, _ in projections]
+        splits = np.cumsum([h * d for h, d in zip(heads, dims, strict=True)])[:-1]
+        return [
+            ops.reshape(part, (batch, length, h, d))
+            for part, h, d in zip(
+                ops.split(projected, list(splits), axis=-1), heads, dims, strict=True
+            )
+        ]
 
     def compute_cache(self, value, key=None):
         """Project `value` (and `key`) once into a key/value cache.
@@ -333,6 +395,12 @@ class MultiHeadAttention(keras.layers.Layer):
         self._check_cacheable()
         value = ops.cast(value, self.compute_dtype)
         key = value if key is None else ops.cast(key, self.compute_dtype)
+        for name, tensor, kernel in (
+            ("value", value, self.value_kernel),
+            ("key", key, self.key_kernel),
+        ):
+            check_rank(name, tensor.shape, 3, "(batch, length, width)")
+            check_width(name, tensor.shape, kernel.shape[0])
         k = self._project_heads(key, self.key_kernel, self.key_bias)
         v = self._project_heads(value, self.value_kernel, self.value_bias)
         return ops.stack([k, v], axis=1)
@@ -417,10 +485,19 @@ class MultiHeadAttention(keras.layers.Layer):
         attention_mask,
         cache,
         cache_update_index,
+        query_mask=None,
+        mask=None,
+        use_causal_mask=False,
+        return_attention_scores=False,
     ):
-        for name, tensor in (("query", query), ("value", value), ("key", key)):
-            check_rank(name, tensor.shape, 3, "(batch, length, width)")
+        check_bool("use_causal_mask", use_causal_mask)
+        check_bool("return_attention_scores", return_attention_scores)
+        # Keys and values are projected, or read from a precomputed cache.
+        projected = cache is None or cache_update_index is not None
+        self._check_inputs(query, value, key, projected)
         batch, query_length = query.shape[0], query.shape[1]
+        check_mask("query_mask", query_mask, (batch, query_length))
+        check_mask("mask", mask, (batch, query_length))
         key_length = key.shape[1]
         if _differ(key.shape[1], value.shape[1]):
             raise ValueError(
@@ -431,6 +508,10 @@ class MultiHeadAttention(keras.layers.Layer):
         if cache is not None:
             self._check_cache(cache, batch)
             key_length = cache.shape[2]
+            if cache_update_index is not None:
+                check_index(
+                    "cache_update_index", cache_update_index, query_length, key_length
+                )
         elif cache_update_index is not None:
             raise ValueError(
                 "`cache_update_index` needs a `cache`. Received: cache=None, "
@@ -449,16 +530,24 @@ class MultiHeadAttention(keras.layers.Layer):
             broadcast=True,
         )
 
+    def _check_inputs(self, query, value, key, projected):
+        """Float `(batch, length, width)` inputs of the widths built for."""
+        for name, tensor, kernel in (
+            ("query", query, self.query_kernel),
+            ("value", value, self.value_kernel),
+            ("key", key, self.key_kernel),
+        ):
+            check_rank(name, tensor.shape, 3, "(batch, length, width)")
+            check_float(name, tensor)
+            if name == "query" or projected:
+                check_width(name, tensor.shape, kernel.shape[0])
+
     def _check_cache(self, cache, batch, name="cache"):
         """Raise unless `cache` is a float `(batch, 2, length, kv_heads, key_dim)`."""
         self._check_cacheable()
         expected = (batch, 2, None, self._kv_heads, self._head_dim)
         check_mask(name, cache, expected)
-        dtype = keras.backend.standardize_dtype(cache.dtype)
-        if "float" not in dtype:
-            raise TypeError(
-                f"`{name}` must be a float tensor. Received: {name}.dtype={dtype}."
-            )
+        check_float(name, cache)
 
     def get_config(self):
         config = super().get_config()
@@ -494,6 +583,19 @@ def _merge_padding(value_mask, key_mask):
     if value_mask is None or key_mask is None:
         return key_mask if value_mask is None else value_mask
     return ops.logical_and(ops.cast(value_mask, "bool"), ops.cast(key_mask, "bool"))
+
+
+def _distributed():
+    """Whether a `keras.distribution.ModelParallel` is set (weights sharded).
+
+    The fused QKV kernel is a concatenation of the three kernels; under tensor
+    parallelism its columns would not line up with each device's head shards,
+    and XLA would gather the weights at every step.
+    """
+    distribution = getattr(keras, "distribution", None)  # None on torch
+    return distribution is not None and isinstance(
+        distribution.distribution(), distribution.ModelParallel
+    )
 
 
 def _and(mask, other):

@@ -1,19 +1,25 @@
 """Token embedding plus the fixed sinusoidal position encoding."""
 
+import numbers
+
 import keras
 from keras import ops
 
 from keras_attn import ops as attn_ops
 from keras_attn.layers._utils import (
+    ConfigCheck,
     check_bool,
+    check_float,
     check_positive_float,
     check_positive_int,
     check_rank,
+    check_width,
+    get_keras_object,
 )
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
-class SinusoidalEmbedding(keras.layers.Layer):
+class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
     """Adds the sinusoidal position encoding of Vaswani et al. (2017).
 
     `PE(pos, 2i) = sin(pos / max_wavelength**(2i / D))`,
@@ -101,8 +107,10 @@ class SinusoidalEmbedding(keras.layers.Layer):
             embeddings_initializer = keras.initializers.RandomNormal(
                 stddev=self.embedding_dim**-0.5
             )
-        self.embeddings_initializer = keras.initializers.get(
-            embeddings_initializer or "uniform"
+        self.embeddings_initializer = get_keras_object(
+            "embeddings_initializer",
+            keras.initializers.get,
+            embeddings_initializer or "uniform",
         )
         self.supports_masking = True
 
@@ -129,12 +137,7 @@ class SinusoidalEmbedding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0):
         self._check_inputs(inputs)
-        start_shape = tuple(getattr(start_index, "shape", ()))
-        if len(start_shape) > 1:
-            raise ValueError(
-                "`start_index` must be an int, a scalar or a `(batch,)` tensor. "
-                f"Received: start_index.shape={start_shape}."
-            )
+        self._check_start_index(start_index, inputs.shape[0])
         length = ops.shape(inputs)[1]
         positions = attn_ops.sinusoidal_position_encoding(
             length,
@@ -159,8 +162,36 @@ class SinusoidalEmbedding(keras.layers.Layer):
             )
         if self.vocabulary_size is None:
             check_rank("inputs", inputs.shape, 3, "(batch, length, width) floats")
+            check_float("inputs", inputs)
+            check_width("inputs", inputs.shape, self._width)
         else:
             check_rank("inputs", inputs.shape, 2, "(batch, length) token ids")
+
+    def _check_start_index(self, start_index, batch):
+        """An int, or an int tensor: a scalar or one start per sequence."""
+        if isinstance(start_index, bool) or not (
+            isinstance(start_index, numbers.Integral) or hasattr(start_index, "dtype")
+        ):
+            raise TypeError(
+                "`start_index` must be an int or an int tensor. Received: "
+                f"start_index={start_index!r} of type {type(start_index).__name__}."
+            )
+        if isinstance(start_index, numbers.Integral):
+            return
+        dtype = keras.backend.standardize_dtype(start_index.dtype)
+        if "int" not in dtype:
+            raise TypeError(
+                "`start_index` must be an int or an int tensor. "
+                f"Received: start_index.dtype={dtype}."
+            )
+        shape = tuple(start_index.shape)
+        if len(shape) > 1 or (
+            len(shape) == 1 and None not in (shape[0], batch) and shape[0] != batch
+        ):
+            raise ValueError(
+                "`start_index` must be an int, a scalar or a `(batch,)` tensor. "
+                f"Received: start_index.shape={shape}, batch={batch}."
+            )
 
     def compute_mask(self, inputs, mask=None):
         if self.vocabulary_size is not None and self.mask_zero:

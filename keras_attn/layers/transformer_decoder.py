@@ -3,7 +3,13 @@
 import keras
 
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
-from keras_attn.layers._utils import check_mask, check_rank
+from keras_attn.layers._utils import (
+    check_float,
+    check_index,
+    check_mask,
+    check_rank,
+    check_width,
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -189,6 +195,10 @@ class TransformerDecoder(TransformerBlock):
         >>> bool(np.allclose(keras.ops.convert_to_numpy(step), full[:, 3:], atol=1e-5))
         True
         """
+        if not self.built:
+            raise ValueError(
+                f"{self.name} must be built (called once) before it makes a cache."
+            )
         return self.self_attention.get_empty_cache(batch_size, max_length, dtype)
 
     def compute_cross_attention_cache(self, encoder_sequence):
@@ -228,6 +238,7 @@ class TransformerDecoder(TransformerBlock):
         cross_attention_cache,
     ):
         self._check_width("decoder_sequence", decoder_sequence.shape)
+        check_float("decoder_sequence", decoder_sequence)
         self._check_encoder_sequence(encoder_sequence, cross_attention_cache)
         batch, target = decoder_sequence.shape[0], decoder_sequence.shape[1]
         keys = target
@@ -236,6 +247,13 @@ class TransformerDecoder(TransformerBlock):
                 self_attention_cache, batch, "self_attention_cache"
             )
             keys = self_attention_cache.shape[2]
+            if self_attention_cache_update_index is not None:
+                check_index(
+                    "self_attention_cache_update_index",
+                    self_attention_cache_update_index,
+                    target,
+                    keys,
+                )
         if (self_attention_cache is None) != (
             self_attention_cache_update_index is None
         ):
@@ -288,6 +306,12 @@ class TransformerDecoder(TransformerBlock):
                     encoder_sequence.shape,
                     3,
                     "(batch, length, width)",
+                )
+                check_float("encoder_sequence", encoder_sequence)
+                check_width(
+                    "encoder_sequence",
+                    encoder_sequence.shape,
+                    self.cross_attention.value_kernel.shape[0],
                 )
         elif encoder_sequence is not None:
             raise ValueError(

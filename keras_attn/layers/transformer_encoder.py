@@ -3,7 +3,7 @@
 import keras
 
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
-from keras_attn.layers._utils import check_mask
+from keras_attn.layers._utils import check_float, check_mask
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -83,6 +83,7 @@ class TransformerEncoder(TransformerBlock):
         inputs_mask=None,
     ):
         self._check_width("inputs", inputs.shape)
+        check_float("inputs", inputs)
         batch, length = inputs.shape[0], inputs.shape[1]
         check_mask("padding_mask", padding_mask, (batch, length))
         check_mask("attention_mask", attention_mask, (batch, length, length))
