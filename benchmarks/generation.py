@@ -1,0 +1,195 @@
+"""Tokens per second of cached `generate` against a naive loop and keras-hub.
+
+Run once per backend (each in its own process):
+
+    KERAS_BACKEND=jax python benchmarks/generation.py
+    KERAS_BACKEND=tensorflow python benchmarks/generation.py
+    KERAS_BACKEND=torch python benchmarks/generation.py
+
+Three decoders of the same GPT-style model (2 blocks, width 128, 4 heads,
+feed-forward 512, vocabulary 1000, batch 4, an 8-token prompt), greedy:
+
+- `keras_attn cached`: `keras_attn.generation.generate`, one compiled
+  while-loop with key/value caches.
+- `naive`: the model called on the whole sequence for every new token (a
+  fixed-width buffer of `max_length`, so it compiles once; the causal mask
+  hides the unwritten tail). Its cost per token is constant in the step, so it
+  is timed over `--naive-steps` steps and reported per token.
+- `keras-hub cached`: the same loop built from `keras_hub.layers` decoders
+  with their `self_attention_cache`, compiled the same way as ours.
+
+Every row is a median over `--repeats` interleaved rounds; the table is
+markdown, written to `benchmarks/results/generation_<backend>.md`.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import keras
+import numpy as np
+from keras import ops
+
+import keras_attn
+from keras_attn.generation import generate
+
+VOCAB, WIDTH, HEADS, FFN, LAYERS, BATCH, PROMPT = 1000, 128, 4, 512, 2, 4, 8
+
+
+def keras_attn_model():
+    ids = keras.Input((None,), dtype="int32")
+    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB)(ids)
+    for _ in range(LAYERS):
+        x = keras_attn.TransformerDecoder(FFN, HEADS, normalize_first=True)(x)
+    x = keras.layers.LayerNormalization()(x)
+    return keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+
+
+class KerasHubGreedy(keras.Model):
+    """Greedy decoding with keras-hub decoder layers and their caches."""
+
+    def __init__(self, length):
+        import keras_hub
+
+        super().__init__(name="keras_hub_greedy")
+        self.length = length
+        self.embedding = keras_hub.layers.TokenAndPositionEmbedding(
+            VOCAB, length, WIDTH
+        )
+        self.blocks = [
+            keras_hub.layers.TransformerDecoder(FFN, HEADS, normalize_first=True)
+            for _ in range(LAYERS)
+        ]
+        self.norm = keras.layers.LayerNormalization()
+        self.head = keras.layers.Dense(VOCAB)
+        self.compile(jit_compile=keras.config.backend() != "torch")
+
+    def step(self, ids, index, caches):
+        positions = self.embedding.position_embedding(
+            self.embedding.token_embedding(ids), start_index=index
+        )
+        x = self.embedding.token_embedding(ids) + positions
+        new_caches = []
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x, cache = block(
+                x, self_attention_cache=cache, self_attention_cache_update_index=index
+            )
+            new_caches.append(cache)
+        return ops.cast(self.head(self.norm(x)), "float32"), new_caches
+
+    def call(self, prompt):
+        batch, width = ops.shape(prompt)[0], prompt.shape[1]
+        head_dim = WIDTH // HEADS
+        caches = [
+            ops.zeros((batch, 2, self.length, HEADS, head_dim)) for _ in self.blocks
+        ]
+        logits, caches = self.step(prompt, 0, caches)
+        tokens = ops.pad(prompt, [[0, 0], [0, self.length - width]])
+
+        def body(index, tokens, logits, caches):
+            token = ops.cast(ops.argmax(logits, axis=-1), "int32")
+            tokens = ops.slice_update(tokens, [0, index], token[:, None])
+            logits, caches = self.step(token[:, None], index, caches)
+            return index + 1, tokens, logits[:, -1], caches
+
+        index = ops.convert_to_tensor(width, "int32")
+        loop_vars = (index, tokens, logits[:, -1], caches)
+        return ops.while_loop(lambda index, *_: index < self.length, body, loop_vars)[1]
+
+
+def naive_step_function(model, length):
+    """One naive step: the whole fixed-width buffer through the model."""
+
+    def step(buffer, position):
+        logits = model.predict_on_batch(buffer)
+        buffer[:, position] = logits[:, position - 1].argmax(-1)
+
+    return step
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--naive-steps", type=int, default=16)
+    parser.add_argument("--no-keras-hub", action="store_true")
+    args = parser.parse_args()
+    backend = keras.config.backend()
+    keras.utils.set_random_seed(0)
+    model = keras_attn_model()
+    model.compile(jit_compile=backend != "torch")
+    prompt = (
+        np.random.default_rng(0).integers(1, VOCAB, (BATCH, PROMPT)).astype("int32")
+    )
+    rows = []
+    for length in args.lengths:
+        new_tokens = BATCH * (length - PROMPT)
+        hub = None if args.no_keras_hub else KerasHubGreedy(length)
+        buffer = np.zeros((BATCH, length), "int32")
+        buffer[:, :PROMPT] = prompt
+        naive = naive_step_function(model, length)
+        # Warm up: compile every path once.
+        generate(model, prompt, length)
+        naive(buffer.copy(), PROMPT)
+        if hub is not None:
+            hub(prompt)  # builds the layers eagerly
+            hub.predict_on_batch(prompt)
+        times = {"keras_attn cached": [], "naive": [], "keras-hub cached": []}
+        for _ in range(args.repeats):
+            times["keras_attn cached"].append(
+                timed(lambda: generate(model, prompt, length)) / new_tokens  # noqa: B023
+            )
+            work = buffer.copy()
+            steps = range(PROMPT, min(length, PROMPT + args.naive_steps))
+            times["naive"].append(
+                timed(lambda: [naive(work, p) for p in steps]) / (len(steps) * BATCH)  # noqa: B023
+            )
+            if hub is not None:
+                times["keras-hub cached"].append(
+                    timed(lambda: hub.predict_on_batch(prompt)) / new_tokens  # noqa: B023
+                )
+        medians = {k: statistics.median(v) for k, v in times.items() if v}
+        ours = medians["keras_attn cached"]
+        for name, per_token in medians.items():
+            rows.append((length, name, per_token, ours / per_token))
+        print(
+            f"length {length}: "
+            + ", ".join(f"{k} {1 / v:,.0f} tok/s" for k, v in medians.items()),
+            flush=True,
+        )
+    write_table(backend, rows)
+
+
+def write_table(backend, rows):
+    lines = [
+        f"### Generation, `KERAS_BACKEND={backend}` "
+        f"(batch {BATCH}, prompt {PROMPT}, {LAYERS} blocks, width {WIDTH}, "
+        f"vocabulary {VOCAB}, greedy)",
+        "",
+        "| max_length | decoder | tokens/s | ms/token | time vs keras_attn cached |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for length, name, per_token, ratio in rows:
+        lines.append(
+            f"| {length} | {name} | {1 / per_token:,.0f} | {per_token * 1e3:.3f} "
+            f"| {1 / ratio:.2f}x |"
+        )
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    path = os.path.join(
+        os.path.dirname(__file__), "results", f"generation_{backend}.md"
+    )
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
