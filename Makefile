@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/python examples/quickstart.py
+	KERAS_BACKEND=$${KERAS_BACKEND:-jax} $(BIN)/python examples/translate_numbers.py
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

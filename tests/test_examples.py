@@ -1,0 +1,129 @@
+"""Smoke tests of the example programs: each runs end to end with tiny settings.
+
+Each example runs as a subprocess on the current `KERAS_BACKEND`, trains one
+epoch of a tiny model on a few hundred examples, and must exit with 0, write
+its outputs and end with its summary line. Whether the examples *learn* is
+checked by running them with their defaults (see README); these tests check
+that they run. The selected examples start together, one thread each (most of
+their time is imports and compilation), and each test waits for its own.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import BACKEND
+
+ROOT = Path(__file__).resolve().parents[1]
+PERCENT = r"\d{1,3}\.\d%"
+TINY_TRANSLATOR = [
+    *("--epochs", 1, "--train-size", 256, "--test-size", 20),
+    *("--embedding-dim", 32, "--num-layers", 1, "--num-heads", 2),
+    *("--intermediate-dim", 64),
+]
+# name: (script, flags, last line, files written to --output)
+EXAMPLES = {
+    "translate_numbers": (
+        "translate_numbers.py",
+        TINY_TRANSLATOR,
+        rf"held-out exact match: {PERCENT} \(n=20\)",
+        ("translate_numbers.keras", "cross_attention.png", "target_vocabulary.txt"),
+    ),
+    "translate_tsv": (
+        "translate_numbers.py",
+        [*TINY_TRANSLATOR, "--data", "{output}/pairs.tsv"],
+        rf"held-out exact match: {PERCENT} \(n=8\)",  # 10% of the 80 pairs
+        ("translate_numbers.keras", "cross_attention.png", "source_vocabulary.txt"),
+    ),
+    "vit_digits": (
+        "vit_digits.py",
+        [
+            *("--epochs", 1, "--train-size", 128, "--embedding-dim", 16),
+            *("--num-layers", 1, "--intermediate-dim", 32),
+        ],
+        rf"test accuracy: {PERCENT}",
+        ("vit_digits.keras",),
+    ),
+    "gpt_addition": (
+        "gpt_addition.py",
+        [
+            *("--epochs", 1, "--train-size", 256, "--test-size", 20),
+            *("--digits", 2, "--embedding-dim", 32, "--num-layers", 1),
+            *("--intermediate-dim", 64),
+        ],
+        rf"accuracy on unseen sums: {PERCENT}",
+        ("gpt_addition.keras", "self_attention.png"),
+    ),
+}
+
+
+def write_tsv(path):
+    """80 pairs in the Tatoeba / Anki layout, with a third column to ignore."""
+    rows = [f"I have {n} cats.\tJ'ai {n} chats.\tCC-BY 2.0 (France)" for n in range(80)]
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """`name -> (process, output folder)` for every selected example, running."""
+    selected = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_example"
+    ]
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": BACKEND,
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",  # The processes share the machine's cores.
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "MPLBACKEND": "Agg",
+    }
+    processes = {}
+    for name in dict.fromkeys(selected):
+        script, flags, _, _ = EXAMPLES[name]
+        output = tmp_path_factory.mktemp(name)
+        if name == "translate_tsv":
+            write_tsv(output / "pairs.tsv")
+        flags = [str(flag).format(output=output) for flag in flags]
+        command = [sys.executable, str(ROOT / "examples" / script), *flags]
+        command += ["--output", str(output)]
+        processes[name] = (
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+            output,
+        )
+    yield processes
+    for process, _ in processes.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example(started, name):
+    process, output = started[name]
+    _, _, last_line, files = EXAMPLES[name]
+    try:
+        stdout, stderr = process.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{name} did not finish in 15 minutes:\n{stdout[-3000:]}")
+    assert process.returncode == 0, (
+        f"{name} exited with {process.returncode}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    )
+    lines = stdout.strip().splitlines()
+    assert re.fullmatch(last_line, lines[-1]), lines[-5:]
+    for file in files:
+        assert (output / file).stat().st_size > 0, file
