@@ -466,12 +466,14 @@ class _Generator(keras.Model):
 
     def call(self, inputs):
         prompt, pads = inputs["prompt"], ops.cast(inputs["pads"], "int32")
-        state = self._initial_state(inputs, prompt, pads)
+        # Cache lengths of the decoding segments (see `_loop`).
+        segments = _segments(prompt.shape[1] + 1, self.length)
+        state = self._initial_state(inputs, prompt, pads, segments[0])
         if self.method == "beam":
-            return self._beam_search(prompt, state)
-        return self._greedy_or_sample(prompt, state, inputs["seed"])
+            return self._beam_search(prompt, state, segments)
+        return self._greedy_or_sample(prompt, state, inputs["seed"], segments)
 
-    def _initial_state(self, inputs, prompt, pads):
+    def _initial_state(self, inputs, prompt, pads, first):
         """The prompt's last logits, the caches, the key mask and the context."""
         plan, batch = self.plan, ops.shape(prompt)[0]
         memory, memory_mask = None, None
@@ -483,23 +485,46 @@ class _Generator(keras.Model):
         caches, cross = [], []  # per decoder: self-attention and cross caches
         for layer, encoder_output in plan.body:
             if isinstance(layer, TransformerDecoder):
-                caches.append(layer.get_empty_self_attention_cache(batch, self.length))
+                caches.append(layer.get_empty_self_attention_cache(batch, first))
                 cross.append(
                     None
                     if encoder_output is None
                     else layer.compute_cross_attention_cache(memory)
                 )
-        positions = ops.arange(self.length)[None, :]
-        keys = ops.greater_equal(positions, pads[:, None])  # (B, L): not padding
+        positions = ops.arange(first)[None, :]
+        keys = ops.greater_equal(positions, pads[:, None])  # (B, first): not padding
         if plan.embedding.mask_zero:
-            keys = ops.logical_and(keys, self._pad_to_length(prompt != 0, True))
+            keys = ops.logical_and(keys, _pad_to(prompt != 0, first, True))
         context = (pads, cross, memory_mask)
         logits, caches = self._step(prompt, 0, caches, keys, context)
         return logits[:, -1], caches, keys, context
 
-    def _pad_to_length(self, prompt_like, value):
-        width = self.length - prompt_like.shape[1]
-        return ops.pad(prompt_like, [[0, 0], [0, width]], constant_values=value)
+    def _loop(self, body, loop_vars, segments):
+        """`ops.while_loop` over the segments; `loop_vars` start with
+        `(index, tokens, logits, caches, keys)`.
+
+        The caches and the key mask hold `segments[i]` positions while the
+        index runs up to `segments[i]`, then grow (zero keys and values, not
+        padding) to the next segment's length: each step attends over at most
+        twice the positions written so far, not over all of `length`. Each
+        segment's loop has static shapes, so it compiles.
+        """
+        for i, segment in enumerate(segments):
+            if i > 0:
+                index, tokens, logits, caches, keys, *rest = loop_vars
+                caches = [_pad_to(cache, segment, 0, axis=2) for cache in caches]
+                keys = _pad_to(keys, segment, True)
+                loop_vars = (index, tokens, logits, caches, keys, *rest)
+
+            def running(index, tokens, logits, caches, keys, done, *rest):
+                # Positions left in this segment and some sequence not done.
+                return ops.logical_and(
+                    index < segment,  # noqa: B023 (called in this iteration)
+                    ops.logical_not(ops.all(done)),
+                )
+
+            loop_vars = ops.while_loop(running, body, loop_vars)
+        return loop_vars
 
     def _step(self, token_ids, index, caches, keys, context):
         """Embedding, decoders and head on new tokens at `index`: `(logits, caches)`.
@@ -529,11 +554,14 @@ class _Generator(keras.Model):
             x = layer(x)
         return ops.cast(x, "float32"), new_caches
 
-    def _greedy_or_sample(self, prompt, state, seed):
+    def _greedy_or_sample(self, prompt, state, seed, segments):
         logits, caches, keys, context = state
-        batch = ops.shape(prompt)[0]
-        tokens = self._pad_to_length(prompt, self.pad_token_id)
-        done = ops.zeros((batch,), "bool")
+        tokens = _pad_to(prompt, self.length, self.pad_token_id)
+        # False per row, computed from an input rather than a constant: XLA
+        # from TensorFlow 2.21 fails on three while loops that pass a constant
+        # through unchanged (tensorflow/tensorflow#122886), as greedy decoding
+        # without an end token does.
+        done = ops.less(context[0], 0)  # context[0]: the pads per row
         seed = ops.cast(seed, self.seed_generator.state.dtype)
 
         def body(index, tokens, logits, caches, keys, done, seed):
@@ -544,11 +572,7 @@ class _Generator(keras.Model):
 
         loop_vars = (prompt.shape[1], tokens, logits, caches, keys, done, seed)
         loop_vars = (ops.convert_to_tensor(loop_vars[0], "int32"),) + loop_vars[1:]
-        return ops.while_loop(self._running, body, loop_vars)[1]
-
-    def _running(self, index, tokens, logits, caches, keys, done, *rest):
-        """Loop condition: positions left to fill and some sequence not done."""
-        return ops.logical_and(index < self.length, ops.logical_not(ops.all(done)))
+        return self._loop(body, loop_vars, segments)[1]
 
     def _write(self, token, index, done, tokens, keys):
         """Put each row's token at `index` (padding once a row is done)."""
@@ -571,7 +595,7 @@ class _Generator(keras.Model):
             seed = scope.get_current_value(state)
         return token[:, 0], seed
 
-    def _beam_search(self, prompt, state):
+    def _beam_search(self, prompt, state, segments):
         logits, caches, keys, (pads, cross, memory_mask) = state
         batch, beams, width = ops.shape(prompt)[0], self.num_beams, prompt.shape[1]
         vocabulary = logits.shape[-1]
@@ -579,7 +603,7 @@ class _Generator(keras.Model):
         def expand(x):  # (B, ...) -> (B * beams, ...), beams of a row adjacent
             return None if x is None else ops.repeat(x, beams, axis=0)
 
-        tokens = expand(self._pad_to_length(prompt, self.pad_token_id))
+        tokens = expand(_pad_to(prompt, self.length, self.pad_token_id))
         logits, keys, caches = expand(logits), expand(keys), [expand(c) for c in caches]
         context = (expand(pads), [expand(c) for c in cross], expand(memory_mask))
         first_beam_only = ops.arange(beams) == 0  # identical beams start once
@@ -608,12 +632,33 @@ class _Generator(keras.Model):
 
         index = ops.convert_to_tensor(width, "int32")
         loop_vars = (index, tokens, logits, caches, keys, done, scores, lengths)
-        _, tokens, _, _, _, _, scores, lengths = ops.while_loop(
-            self._running, body, loop_vars
-        )
+        _, tokens, _, _, _, _, scores, lengths = self._loop(body, loop_vars, segments)
         lengths = ops.reshape(ops.maximum(lengths, 1.0), (batch, beams))
         best = ops.argmax(scores / lengths**self.length_penalty, axis=-1)
         return ops.take(tokens, best + ops.arange(batch) * beams, axis=0)
+
+
+def _segments(first, length, smallest=64):
+    """Cache lengths of the decoding segments: powers of two, then `length`.
+
+    The first holds `first` positions (the prompt and the first new token);
+    each next one doubles, the last is `length`.
+    """
+    size = smallest
+    while size < first:
+        size *= 2
+    segments = []
+    while size < length:
+        segments.append(size)
+        size *= 2
+    return segments + [length]
+
+
+def _pad_to(x, size, value, axis=1):
+    """`x` padded with `value` at the end of `axis` to `size` positions."""
+    widths = [[0, 0]] * len(x.shape)
+    widths[axis] = [0, size - x.shape[axis]]
+    return ops.pad(x, widths, constant_values=value)
 
 
 def _filter_logits(logits, top_k, top_p):

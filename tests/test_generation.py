@@ -189,6 +189,32 @@ def test_greedy_equals_naive_loop_encoder_decoder(translator):
         assert row.tolist() == naive_greedy(translator, [1], 9, source=source)
 
 
+def assert_greedy(logits, tokens, start):
+    """Each token from `start` on is the argmax of the logits one position back.
+
+    `logits` come from one full forward pass over `tokens`; 1e-4 of slack for
+    near-ties between the cached and the full computation.
+    """
+    for row, row_logits in zip(tokens, logits, strict=True):
+        for position in range(start, len(row)):
+            chosen = row_logits[position - 1, row[position]]
+            assert chosen >= row_logits[position - 1].max() - 1e-4, position
+
+
+def test_long_generation_crosses_cache_segments(gpt, translator):
+    """Past 64 positions the caches grow (64, 128, then max_length); nothing is
+    lost at the seams: every token is the full forward pass's argmax."""
+    prompts = np.array([[3, 4, 5, 6], [7, 8, 9, 10]])
+    tokens = generate(gpt, prompts, max_length=140)
+    assert_greedy(to_numpy(gpt(tokens)), tokens, start=4)
+    np.testing.assert_array_equal(
+        generate(gpt, prompts, 140, method="beam", num_beams=1), tokens
+    )
+    sources = np.array([[3, 4, 5, 6, 7], [8, 9, 0, 0, 0]])
+    tokens = generate(translator, [sources, np.ones((2, 1), "int32")], 140)
+    assert_greedy(to_numpy(translator([sources, tokens])), tokens, start=1)
+
+
 def test_beam_of_one_equals_greedy(gpt, translator):
     prompts = np.array([[3, 4, 5], [0, 7, 8]])
     np.testing.assert_array_equal(
