@@ -512,7 +512,7 @@ class _Generator(keras.Model):
         for i, segment in enumerate(segments):
             if i > 0:
                 index, tokens, logits, caches, keys, *rest = loop_vars
-                caches = [_pad_to(cache, segment, 0, axis=2) for cache in caches]
+                caches = [_pad_to(cache, segment, 0, axis=3) for cache in caches]
                 keys = _pad_to(keys, segment, True)
                 loop_vars = (index, tokens, logits, caches, keys, *rest)
 

@@ -162,6 +162,51 @@ def _explicit_attention(query, key, value, mask, is_causal, dropout):
     return ops.einsum("bhts,bshd->bthd", weights, value), probs
 
 
+def _heads_major_attention(
+    query, key, value, mask=None, is_causal=False, dropout=None, return_scores=False
+):
+    """`dot_product_attention`'s explicit path for heads-major keys and values.
+
+    `query` `(B, T, H, D)`; `key` and `value` `(B, K, S, D)`, the layout of the
+    key/value caches, where each head's keys are contiguous: one step of cached
+    decoding reads them without the transposed copy a `(B, S, K, D)` layout
+    costs. Grouped-query heads are matched by a reshape, not repeated. Same
+    numbers, masks and empty-row zeros as the explicit path; returns
+    `(B, T, H, D)`, or `(output, weights (B, H, T, S))` with `return_scores`.
+    """
+    batch, query_length = ops.shape(query)[0], ops.shape(query)[1]
+    num_heads, head_dim = query.shape[2], query.shape[3]
+    num_key_value_heads, key_length = key.shape[1], ops.shape(key)[2]
+    groups = num_heads // num_key_value_heads
+    query = ops.multiply(query, ops.cast(1.0 / math.sqrt(head_dim), query.dtype))
+    grouped = ops.reshape(
+        ops.cast(query, "float32"),
+        (batch, query_length, num_key_value_heads, groups, head_dim),
+    )
+    logits = ops.einsum("btkgd,bksd->bkgts", grouped, ops.cast(key, "float32"))
+    logits = ops.reshape(logits, (batch, num_heads, query_length, key_length))
+    if is_causal:
+        causal = causal_mask(query_length, key_length)
+        mask = causal if mask is None else ops.logical_and(mask, causal)
+    has_key = None
+    if mask is not None:
+        mask, has_key = _attends_to_something(mask)
+        logits = ops.where(mask, logits, np.finfo("float32").min)
+    probs = ops.cast(ops.softmax(logits, axis=-1), query.dtype)
+    weights = probs if dropout is None else dropout(probs)
+    weights = ops.reshape(
+        weights, (batch, num_key_value_heads, groups, query_length, key_length)
+    )
+    output = ops.einsum("bkgts,bksd->btkgd", weights, value)
+    output = ops.reshape(output, (batch, query_length, num_heads, value.shape[-1]))
+    if has_key is not None:
+        output = ops.where(
+            ops.transpose(has_key, (0, 2, 1, 3)), output, ops.zeros_like(output)
+        )
+        probs = ops.where(has_key, probs, ops.zeros_like(probs))
+    return (output, probs) if return_scores else output
+
+
 def dot_product_attention(
     query,
     key,

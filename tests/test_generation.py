@@ -75,7 +75,7 @@ def test_token_by_token_equals_full_forward(
         encoder_args["encoder_padding_mask"] = memory_padding
     full = to_numpy(decoder(x, decoder_padding_mask=padding, **encoder_args))
     cache = decoder.get_empty_self_attention_cache(2, 6)
-    assert tuple(cache.shape) == (2, 2, 6, num_key_value_heads or 4, WIDTH // 4)
+    assert tuple(cache.shape) == (2, 2, num_key_value_heads or 4, 6, WIDTH // 4)
     cross = decoder.compute_cross_attention_cache(memory) if with_encoder else None
     steps, start = [], 0
     for stop in (3, 4, 5, 6):  # a 3-token prefill, then one token at a time
@@ -98,7 +98,7 @@ def test_multi_head_attention_cache_with_grouped_heads_and_cross_cache():
     x, memory = random_floats(2, 4, 12), random_floats(2, 7, 12, seed=1)
     full_self = to_numpy(layer(x, use_causal_mask=True))
     cache = layer.get_empty_cache(2, 4)
-    assert tuple(cache.shape) == (2, 2, 4, 2, 2)
+    assert tuple(cache.shape) == (2, 2, 2, 4, 2)
     for i in range(4):
         step, cache = layer(
             x[:, i : i + 1], cache=cache, cache_update_index=i, use_causal_mask=True
@@ -116,11 +116,11 @@ def test_bad_caches():
     decoder(x)
     good = decoder.get_empty_self_attention_cache(2, 5)
     with pytest.raises(
-        ValueError, match=r"self_attention_cache.shape=\(2, 2, 5, 2, 4\)"
+        ValueError, match=r"self_attention_cache.shape=\(2, 2, 2, 5, 4\)"
     ):
         decoder(
             x,
-            self_attention_cache=good[:, :, :, :2],
+            self_attention_cache=good[:, :, :2],
             self_attention_cache_update_index=0,
         )
     with pytest.raises(TypeError, match="self_attention_cache.dtype=int32"):

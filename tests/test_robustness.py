@@ -215,9 +215,9 @@ def mha_cross():
 
 
 def mha_cached():
-    """Grouped-query self-attention, one step with a cache `(B, 2, 6, 2, 2)`."""
+    """Grouped-query self-attention, one step with a cache `(B, 2, 2, 6, 2)`."""
     layer = built(MultiHeadAttention(num_heads=4, num_key_value_heads=2), (B, T, W))
-    cache = np.zeros((B, 2, 6, 2, 2), "float32")
+    cache = np.zeros((B, 2, 2, 6, 2), "float32")
     return layer, {
         "query": random_floats(B, T, W),
         "cache": cache,
@@ -239,9 +239,9 @@ def decoder():
 
 
 def decoder_cached():
-    """One step with a self-attention cache `(B, 2, 6, 2, 4)`."""
+    """One step with a self-attention cache `(B, 2, 2, 6, 4)`."""
     layer, kwargs = decoder()
-    cache = np.zeros((B, 2, 6, 2, 4), "float32")
+    cache = np.zeros((B, 2, 2, 6, 4), "float32")
     return layer, {
         **kwargs,
         "self_attention_cache": cache,
@@ -336,7 +336,7 @@ def cache_rows(target, name, index_name, shape):
     `target` makes a call with a good cache of `shape` at index 0.
     """
     cache = np.zeros(shape, "float32")
-    one_head = cache[:, :, :, :1]
+    one_head = cache[:, :, :1]
     room = rf"`{index_name}` must leave room.*Received: {index_name}="
     return [
         call_row(
@@ -361,7 +361,7 @@ def cache_rows(target, name, index_name, shape):
             rf"`{name}` must be a float tensor.*{name}.dtype=int32",
         ),
         call_row(target, {index_name: -1}, ValueError, room + "-1"),
-        call_row(target, {index_name: shape[2] - T + 1}, ValueError, room + "4"),
+        call_row(target, {index_name: shape[3] - T + 1}, ValueError, room + "4"),
         call_row(target, {index_name: 1.5}, TypeError, rf"{index_name}=1.5 of type"),
         call_row(
             target,
@@ -411,7 +411,7 @@ CALL_ROWS = [
         ValueError,
         "`cache_update_index` needs a `cache`.*cache=None, cache_update_index=0",
     ),
-    *cache_rows(mha_cached, "cache", "cache_update_index", (B, 2, 6, 2, 2)),
+    *cache_rows(mha_cached, "cache", "cache_update_index", (B, 2, 2, 6, 2)),
     # SinusoidalEmbedding.
     rank_row(token_embedding, "inputs", ints(B, T, 1), TOKEN_IDS),
     rank_row(token_embedding, "inputs", ints(B), TOKEN_IDS),
@@ -472,13 +472,13 @@ CALL_ROWS = [
     *flag_rows(decoder, "use_causal_mask", "return_attention_scores"),
     call_row(
         decoder,
-        {"cross_attention_cache": np.zeros((B, 2, S, 2, 3), "float32")},
+        {"cross_attention_cache": np.zeros((B, 2, 2, S, 3), "float32")},
         ValueError,
-        r"`cross_attention_cache` does not match.*shape=\(2, 2, 5, 2, 3\)",
+        r"`cross_attention_cache` does not match.*shape=\(2, 2, 2, 5, 3\)",
     ),
     call_row(
         decoder,
-        {"cross_attention_cache": np.zeros((B, 2, S, 2, 4), "int32")},
+        {"cross_attention_cache": np.zeros((B, 2, 2, S, 4), "int32")},
         TypeError,
         r"cross_attention_cache.dtype=int32",
     ),
@@ -498,7 +498,7 @@ CALL_ROWS = [
         decoder_cached,
         "self_attention_cache",
         "self_attention_cache_update_index",
-        (B, 2, 6, 2, 4),
+        (B, 2, 2, 6, 4),
     ),
     call_row(
         decoder_only,

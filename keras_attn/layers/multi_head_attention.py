@@ -306,28 +306,51 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             or self.flash_attention is False
             or (bool(training) and self.dropout > 0)
         )
-        result = attn_ops.dot_product_attention(
-            q,
-            k,
-            v,
-            mask=attention_mask,
-            is_causal=use_causal_mask,
-            fused=not explicit,
-            flash_attention=self.flash_attention,
-            dropout=self._dropout_fn(training) if explicit else None,
-            return_scores=return_attention_scores,
-        )
+        if cache is not None and self.flash_attention is not True:
+            # Heads-major keys and values: no transposed copy of the cache.
+            result = attn_ops._heads_major_attention(
+                q,
+                k,
+                v,
+                mask=attention_mask,
+                is_causal=use_causal_mask,
+                dropout=self._dropout_fn(training),
+                return_scores=return_attention_scores,
+            )
+        else:
+            if cache is not None:  # The fused kernels take `(B, S, K, D)`.
+                k, v = (ops.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+            result = self._attention(
+                q, k, v, attention_mask, use_causal_mask, explicit, training,
+                return_attention_scores,
+            )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
         outputs = (self._output_projection(context),)
         outputs += (scores,) if return_attention_scores else ()
         outputs += (cache,) if cache is not None else ()
         return outputs[0] if len(outputs) == 1 else outputs
 
+    def _attention(
+        self, q, k, v, mask, causal, explicit, training, return_attention_scores
+    ):
+        return attn_ops.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            is_causal=causal,
+            fused=not explicit,
+            flash_attention=self.flash_attention,
+            dropout=self._dropout_fn(training) if explicit else None,
+            return_scores=return_attention_scores,
+        )
+
     def _keys_and_values(self, key, value, cache, cache_update_index):
-        """Keys and values `(B, S, K, D)`, read from or written to a cache.
+        """Keys and values, read from or written to a cache.
 
         `key` and `value` are the inputs `(B, S, width)`, or already projected
-        `(B, S, K, D)` in self-attention.
+        `(B, S, K, D)` in self-attention. Returns them `(B, S, K, D)` without a
+        cache, heads-major `(B, K, S, D)` from a cache `(B, 2, K, S, D)`.
         """
         if cache is not None and cache_update_index is None:
             return cache[:, 0], cache[:, 1], cache  # precomputed, e.g. the encoder's
@@ -336,8 +359,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             value = self._project_heads(value, self.value_kernel, self.value_bias)
         if cache is None:
             return key, value, None
-        update = ops.stack([key, value], axis=1)  # (B, 2, T, K, D)
-        start = [0, 0, ops.cast(cache_update_index, "int32"), 0, 0]
+        update = ops.transpose(ops.stack([key, value], axis=1), (0, 1, 3, 2, 4))
+        start = [0, 0, 0, ops.cast(cache_update_index, "int32"), 0]
         cache = ops.slice_update(cache, start, ops.cast(update, cache.dtype))
         return cache[:, 0], cache[:, 1], cache
 
@@ -381,8 +404,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 `value`.
 
         Returns:
-            Tensor `(batch, 2, length, num_key_value_heads, key_dim)`: keys at
-            index 0 of axis 1, values at index 1.
+            Tensor `(batch, 2, num_key_value_heads, length, key_dim)`: keys at
+            index 0 of axis 1, values at index 1 (heads-major, so a step reads
+            each head's keys contiguously).
 
         Example:
         >>> attention = keras_attn.MultiHeadAttention(num_heads=2)
@@ -390,7 +414,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         >>> _ = attention(query, memory)
         >>> cache = attention.compute_cache(memory)
         >>> tuple(cache.shape)
-        (1, 2, 6, 2, 4)
+        (1, 2, 2, 6, 4)
         """
         self._check_cacheable()
         value = ops.cast(value, self.compute_dtype)
@@ -403,7 +427,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             check_width(name, tensor.shape, kernel.shape[0])
         k = self._project_heads(key, self.key_kernel, self.key_bias)
         v = self._project_heads(value, self.value_kernel, self.value_bias)
-        return ops.stack([k, v], axis=1)
+        return ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
 
     def get_empty_cache(self, batch_size, max_length, dtype=None):
         """An all-zeros key/value cache for step-by-step self-attention.
@@ -418,7 +442,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             dtype: dtype of the cache. Defaults to the layer's compute dtype.
 
         Returns:
-            Zeros `(batch_size, 2, max_length, num_key_value_heads, key_dim)`.
+            Zeros `(batch_size, 2, num_key_value_heads, max_length, key_dim)`:
+            keys at index 0 of axis 1, values at index 1.
 
         Example:
         >>> attention = keras_attn.MultiHeadAttention(num_heads=4,
@@ -435,7 +460,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         True
         """
         self._check_cacheable()
-        shape = (batch_size, 2, max_length, self._kv_heads, self._head_dim)
+        shape = (batch_size, 2, self._kv_heads, max_length, self._head_dim)
         return ops.zeros(shape, dtype=dtype or self.compute_dtype)
 
     def _check_cacheable(self):
@@ -507,7 +532,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             )
         if cache is not None:
             self._check_cache(cache, batch)
-            key_length = cache.shape[2]
+            key_length = cache.shape[3]
             if cache_update_index is not None:
                 check_index(
                     "cache_update_index", cache_update_index, query_length, key_length
@@ -543,9 +568,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 check_width(name, tensor.shape, kernel.shape[0])
 
     def _check_cache(self, cache, batch, name="cache"):
-        """Raise unless `cache` is a float `(batch, 2, length, kv_heads, key_dim)`."""
+        """Raise unless `cache` is a float `(batch, 2, kv_heads, length, key_dim)`."""
         self._check_cacheable()
-        expected = (batch, 2, None, self._kv_heads, self._head_dim)
+        expected = (batch, 2, self._kv_heads, None, self._head_dim)
         check_mask(name, cache, expected)
         check_float(name, cache)
 
@@ -608,7 +633,7 @@ def _cache_visibility(query, key, cache_update_index, causal):
     Causal: query `i` (at position `index + i`) sees positions `<= index + i`;
     otherwise every position written so far, `< index + T`.
     """
-    query_length, key_length = ops.shape(query)[1], ops.shape(key)[1]
+    query_length, key_length = ops.shape(query)[1], ops.shape(key)[2]  # heads-major
     index = ops.cast(cache_update_index, "int32")
     if causal:
         visible = attn_ops.causal_mask(query_length, key_length, query_offset=index)

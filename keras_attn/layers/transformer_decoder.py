@@ -180,7 +180,7 @@ class TransformerDecoder(TransformerBlock):
             dtype: dtype of the cache. Defaults to the compute dtype.
 
         Returns:
-            Zeros `(batch_size, 2, max_length, num_key_value_heads, key_dim)`;
+            Zeros `(batch_size, 2, num_key_value_heads, max_length, key_dim)`;
             see `keras_attn.MultiHeadAttention.get_empty_cache`.
 
         Example:
@@ -208,7 +208,7 @@ class TransformerDecoder(TransformerBlock):
             encoder_sequence: float tensor `(batch, source_length, source_width)`.
 
         Returns:
-            Tensor `(batch, 2, source_length, num_key_value_heads, key_dim)`, to
+            Tensor `(batch, 2, num_key_value_heads, source_length, key_dim)`, to
             pass as `cross_attention_cache` at every step.
 
         Example:
@@ -216,7 +216,7 @@ class TransformerDecoder(TransformerBlock):
         >>> source = np.random.rand(1, 6, 8).astype("float32")
         >>> _ = decoder(np.zeros((1, 1, 8)), source)
         >>> tuple(decoder.compute_cross_attention_cache(source).shape)
-        (1, 2, 6, 2, 4)
+        (1, 2, 2, 6, 4)
         """
         if not self.built or not self._has_cross_attention:
             raise ValueError(
@@ -246,7 +246,7 @@ class TransformerDecoder(TransformerBlock):
             self.self_attention._check_cache(
                 self_attention_cache, batch, "self_attention_cache"
             )
-            keys = self_attention_cache.shape[2]
+            keys = self_attention_cache.shape[3]
             if self_attention_cache_update_index is not None:
                 check_index(
                     "self_attention_cache_update_index",
@@ -283,7 +283,7 @@ class TransformerDecoder(TransformerBlock):
             self.cross_attention._check_cache(
                 cross_attention_cache, batch, "cross_attention_cache"
             )
-            source = cross_attention_cache.shape[2]
+            source = cross_attention_cache.shape[3]
         else:
             source = encoder_sequence.shape[1]
         check_mask("encoder_padding_mask", encoder_padding_mask, (batch, source))
