@@ -1,9 +1,9 @@
 """Multi-head attention with grouped-query heads and a fused or explicit kernel."""
 
+import functools
 import math
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_attn import ops as attn_ops
@@ -46,9 +46,11 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     As in Vaswani et al. (2017), with grouped-query attention
     (`num_key_value_heads`, Ainslie et al. 2023). The attention itself runs in
     `keras.ops.dot_product_attention` (fused and flash kernels where the backend
-    has them) whenever it can, and in an explicit float32-softmax path when the
-    weights are needed: dropout in training, `return_attention_scores=True`, or
-    `flash_attention=False`. Both paths give the same numbers.
+    has them) whenever it can and they pay off, and in an explicit
+    float32-softmax path when the weights are needed (dropout in training,
+    `return_attention_scores=True`), with `flash_attention=False`, and under
+    TensorFlow on a CPU, whose "fused" op there is the same einsums with more
+    overhead (measured in `benchmarks/`). Both paths give the same numbers.
 
     Masks: a key may be attended to where the key/value padding mask (from the
     inputs' Keras masks or `value_mask`/`key_mask`), `attention_mask` and the
@@ -76,7 +78,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             Defaults to `0.0`.
         use_bias: bool. Whether the projections have biases. Defaults to `True`.
         output_dim: int. Width of the output. Defaults to the query width.
-        flash_attention: `None` (use fused kernels when possible), `True`
+        flash_attention: `None` (use fused kernels where they pay off), `True`
             (require the backend's flash kernel; errors where there is none) or
             `False` (always the explicit path). Defaults to `None`.
         kernel_initializer: initializer of the kernels. Defaults to
@@ -281,16 +283,11 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             use_causal_mask=use_causal_mask,
             return_attention_scores=return_attention_scores,
         )
-        fuse = self_attention and (cache is None or cache_update_index is not None)
-        if fuse and not _distributed():
-            q, k, v = self._project_self_attention(query)
-        else:
-            q, k, v = (
-                self._project_heads(query, self.query_kernel, self.query_bias),
-                key,
-                value,
-            )
-        k, v, cache = self._keys_and_values(k, v, cache, cache_update_index)
+        # Separate Q, K and V matmuls: a fused QKV projection (one matmul on the
+        # concatenated kernels) measured no faster on any backend's CPU, and
+        # under ModelParallel its concatenation gathers the sharded kernels.
+        q = self._project_heads(query, self.query_kernel, self.query_bias)
+        k, v, cache = self._keys_and_values(key, value, cache, cache_update_index)
         attention_mask = attn_ops.merge_attention_masks(
             _merge_padding(value_mask, key_mask), attention_mask
         )
@@ -305,6 +302,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             return_attention_scores
             or self.flash_attention is False
             or (bool(training) and self.dropout > 0)
+            or (self.flash_attention is None and not _fused_kernels_pay_off())
         )
         if cache is not None and self.flash_attention is not True:
             # Heads-major keys and values: no transposed copy of the cache.
@@ -348,48 +346,20 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     def _keys_and_values(self, key, value, cache, cache_update_index):
         """Keys and values, read from or written to a cache.
 
-        `key` and `value` are the inputs `(B, S, width)`, or already projected
-        `(B, S, K, D)` in self-attention. Returns them `(B, S, K, D)` without a
-        cache, heads-major `(B, K, S, D)` from a cache `(B, 2, K, S, D)`.
+        `key` and `value` are the inputs `(B, S, width)`. Returns them projected,
+        `(B, S, K, D)` without a cache, heads-major `(B, K, S, D)` from a cache
+        `(B, 2, K, S, D)`.
         """
         if cache is not None and cache_update_index is None:
             return cache[:, 0], cache[:, 1], cache  # precomputed, e.g. the encoder's
-        if len(key.shape) == 3:
-            key = self._project_heads(key, self.key_kernel, self.key_bias)
-            value = self._project_heads(value, self.value_kernel, self.value_bias)
+        key = self._project_heads(key, self.key_kernel, self.key_bias)
+        value = self._project_heads(value, self.value_kernel, self.value_bias)
         if cache is None:
             return key, value, None
         update = ops.transpose(ops.stack([key, value], axis=1), (0, 1, 3, 2, 4))
         start = [0, 0, 0, ops.cast(cache_update_index, "int32"), 0]
         cache = ops.slice_update(cache, start, ops.cast(update, cache.dtype))
         return cache[:, 0], cache[:, 1], cache
-
-    def _project_self_attention(self, inputs):
-        """Queries, keys and values of one input in one matmul (fused QKV)."""
-        projections = (
-            (self.query_kernel, self.query_bias),
-            (self.key_kernel, self.key_bias),
-            (self.value_kernel, self.value_bias),
-        )
-        width, dtype = inputs.shape[-1], inputs.dtype
-        kernel = ops.concatenate(
-            [ops.reshape(ops.cast(k, dtype), (width, -1)) for k, _ in projections],
-            axis=-1,
-        )  # (width, (H + 2K) * D)
-        projected = ops.matmul(inputs, kernel)
-        if self.use_bias:
-            biases = [ops.reshape(ops.cast(b, dtype), (-1,)) for _, b in projections]
-            projected = projected + ops.concatenate(biases, axis=-1)
-        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
-        heads = [k.shape[1] for k, _ in projections]
-        dims = [k.shape[2] for k, _ in projections]
-        splits = np.cumsum([h * d for h, d in zip(heads, dims, strict=True)])[:-1]
-        return [
-            ops.reshape(part, (batch, length, h, d))
-            for part, h, d in zip(
-                ops.split(projected, list(splits), axis=-1), heads, dims, strict=True
-            )
-        ]
 
     def compute_cache(self, value, key=None):
         """Project `value` (and `key`) once into a key/value cache.
@@ -610,17 +580,21 @@ def _merge_padding(value_mask, key_mask):
     return ops.logical_and(ops.cast(value_mask, "bool"), ops.cast(key_mask, "bool"))
 
 
-def _distributed():
-    """Whether a `keras.distribution.ModelParallel` is set (weights sharded).
+@functools.cache
+def _fused_kernels_pay_off():
+    """Whether `keras.ops.dot_product_attention` beats the explicit path here.
 
-    The fused QKV kernel is a concatenation of the three kernels; under tensor
-    parallelism its columns would not line up with each device's head shards,
-    and XLA would gather the weights at every step.
+    Measured on a CPU (`benchmarks/encoder.py`): JAX's fused op runs the
+    forward pass of a block 1.5x faster than the explicit einsums and PyTorch's
+    `scaled_dot_product_attention` has fused CPU kernels, but TensorFlow's is
+    the same einsums with more overhead (the explicit path trains ~7% faster).
+    On a GPU or TPU every backend has fused kernels.
     """
-    distribution = getattr(keras, "distribution", None)  # None on torch
-    return distribution is not None and isinstance(
-        distribution.distribution(), distribution.ModelParallel
-    )
+    if keras.config.backend() != "tensorflow":
+        return True
+    import tensorflow as tf
+
+    return any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
 
 
 def _and(mask, other):
