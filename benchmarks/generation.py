@@ -19,7 +19,9 @@ feed-forward 512, vocabulary 1000, batch 4, an 8-token prompt), greedy:
   with their `self_attention_cache`, compiled the same way as ours.
 
 Every row is a median over `--repeats` interleaved rounds; the table is
-markdown, written to `benchmarks/results/generation_<backend>.md`.
+markdown, written to `benchmarks/results/generation_<backend>.md` (or
+`--results DIR`). `python benchmarks/run.py` runs this with the other
+benchmarks.
 """
 
 import argparse
@@ -35,6 +37,7 @@ import keras_attn
 from keras_attn.generation import generate
 
 VOCAB, WIDTH, HEADS, FFN, LAYERS, BATCH, PROMPT = 1000, 128, 4, 512, 2, 4, 8
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def keras_attn_model():
@@ -114,13 +117,15 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def main():
+def main(argv=None):
+    """Run the benchmark (`argv`: command-line flags); returns the markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--naive-steps", type=int, default=16)
     parser.add_argument("--no-keras-hub", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--results", default=RESULTS, help="Output folder.")
+    args = parser.parse_args(argv)
     backend = keras.config.backend()
     keras.utils.set_random_seed(0)
     model = keras_attn_model()
@@ -164,10 +169,10 @@ def main():
             + ", ".join(f"{k} {1 / v:,.0f} tok/s" for k, v in medians.items()),
             flush=True,
         )
-    write_table(backend, rows)
+    return write_table(backend, rows, args.results)
 
 
-def write_table(backend, rows):
+def write_table(backend, rows, results=RESULTS):
     lines = [
         f"### Generation, `KERAS_BACKEND={backend}` "
         f"(batch {BATCH}, prompt {PROMPT}, {LAYERS} blocks, width {WIDTH}, "
@@ -182,13 +187,11 @@ def write_table(backend, rows):
             f"| {1 / ratio:.2f}x |"
         )
     text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    path = os.path.join(
-        os.path.dirname(__file__), "results", f"generation_{backend}.md"
-    )
-    with open(path, "w") as f:
+    os.makedirs(results, exist_ok=True)
+    with open(os.path.join(results, f"generation_{backend}.md"), "w") as f:
         f.write(text)
     print(text)
+    return text
 
 
 if __name__ == "__main__":
