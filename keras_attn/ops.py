@@ -259,7 +259,6 @@ def dot_product_attention(
         )
     num_heads = query.shape[2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    query = ops.multiply(query, ops.cast(scale, query.dtype))
     key = _repeat_key_value_heads(key, num_heads)
     value = _repeat_key_value_heads(value, num_heads)
     has_key = None
@@ -275,12 +274,13 @@ def dot_product_attention(
             key,
             value,
             mask=mask,
-            scale=1.0,
+            scale=scale,
             is_causal=is_causal,
             flash_attention=flash_attention,
         )
         probs = None
     else:
+        query = ops.multiply(query, ops.cast(scale, query.dtype))
         output, probs = _explicit_attention(query, key, value, mask, is_causal, dropout)
     if has_key is not None:
         keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B, T, 1|H, 1)

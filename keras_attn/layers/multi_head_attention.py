@@ -48,9 +48,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     `keras.ops.dot_product_attention` (fused and flash kernels where the backend
     has them) whenever it can and they pay off, and in an explicit
     float32-softmax path when the weights are needed (dropout in training,
-    `return_attention_scores=True`), with `flash_attention=False`, and under
-    TensorFlow on a CPU, whose "fused" op there is the same einsums with more
-    overhead (measured in `benchmarks/`). Both paths give the same numbers.
+    `return_attention_scores=True`), with `flash_attention=False`, and on a
+    CPU where it is faster (measured in `benchmarks/`): under TensorFlow, and
+    in training under JAX. Both paths give the same numbers.
 
     Masks: a key may be attended to where the key/value padding mask (from the
     inputs' Keras masks or `value_mask`/`key_mask`), `attention_mask` and the
@@ -302,7 +302,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             return_attention_scores
             or self.flash_attention is False
             or (bool(training) and self.dropout > 0)
-            or (self.flash_attention is None and not _fused_kernels_pay_off())
+            or (self.flash_attention is None and not _fused_kernels_pay_off(training))
         )
         if cache is not None and self.flash_attention is not True:
             # Heads-major keys and values: no transposed copy of the cache.
@@ -446,23 +446,21 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             )
 
     def _project_heads(self, inputs, kernel, bias):
-        """`(B, T, width) @ (width, heads, dim)` -> `(B, T, heads, dim)`."""
-        width, heads, dim = kernel.shape
+        """`(B, T, width) @ (width, heads, dim)` -> `(B, T, heads, dim)`.
+
+        (One einsum. The letters are chosen so that the contracted axes sort
+        in memory order: `jnp.einsum` orders them alphabetically, and any
+        other order makes XLA transpose the kernels and their gradients.)
+        """
         kernel = ops.cast(kernel, inputs.dtype)  # a no-op inside `__call__`
-        projected = ops.matmul(inputs, ops.reshape(kernel, (width, heads * dim)))
+        projected = ops.einsum("abc,cde->abde", inputs, kernel)
         if bias is not None:
-            projected = projected + ops.cast(ops.reshape(bias, (-1,)), inputs.dtype)
-        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
-        return ops.reshape(projected, (batch, length, heads, dim))
+            projected = projected + ops.cast(bias, inputs.dtype)
+        return projected
 
     def _output_projection(self, context):
         """`(B, T, H, Dv)` -> `(B, T, output_dim)` through W_O."""
-        heads, dim, width = self.output_kernel.shape
-        batch, length = ops.shape(context)[0], ops.shape(context)[1]
-        context = ops.reshape(context, (batch, length, heads * dim))
-        output = ops.matmul(
-            context, ops.reshape(self.output_kernel, (heads * dim, width))
-        )
+        output = ops.einsum("abcd,cde->abe", context, self.output_kernel)
         return output if self.output_bias is None else output + self.output_bias
 
     def _dropout_fn(self, training):
@@ -580,21 +578,33 @@ def _merge_padding(value_mask, key_mask):
     return ops.logical_and(ops.cast(value_mask, "bool"), ops.cast(key_mask, "bool"))
 
 
-@functools.cache
-def _fused_kernels_pay_off():
+def _fused_kernels_pay_off(training):
     """Whether `keras.ops.dot_product_attention` beats the explicit path here.
 
-    Measured on a CPU (`benchmarks/encoder.py`): JAX's fused op runs the
-    forward pass of a block 1.5x faster than the explicit einsums and PyTorch's
-    `scaled_dot_product_attention` has fused CPU kernels, but TensorFlow's is
-    the same einsums with more overhead (the explicit path trains ~7% faster).
-    On a GPU or TPU every backend has fused kernels.
+    Measured on a CPU (`benchmarks/encoder.py`, one block): JAX's fused op runs
+    the forward pass 1.5x faster than the explicit einsums, but its gradient is
+    slower (the explicit path trains ~3% faster); PyTorch's
+    `scaled_dot_product_attention` has fused CPU kernels; TensorFlow's fused op
+    is the same einsums with more overhead (the explicit path trains ~7%
+    faster). On a GPU or TPU every backend has fused kernels.
     """
-    if keras.config.backend() != "tensorflow":
+    backend = keras.config.backend()
+    if backend == "torch" or _on_accelerator(backend):
         return True
-    import tensorflow as tf
+    return backend == "jax" and not training
 
-    return any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+
+@functools.cache
+def _on_accelerator(backend):
+    if backend == "jax":
+        import jax
+
+        return jax.default_backend() != "cpu"
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+    return False
 
 
 def _and(mask, other):
