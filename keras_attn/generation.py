@@ -3,8 +3,10 @@
 `generate(model, inputs, max_length)` finds the token embedding, the
 `TransformerDecoder` blocks and the per-token head in a functional model's
 graph, runs the encoder (if any) once, and then decodes one token at a time
-with key/value caches, inside one compiled `keras.ops.while_loop` on JAX and
-TensorFlow (through `Model.predict_on_batch`) and eagerly on PyTorch.
+with key/value caches, in compiled `keras.ops.while_loop`s on JAX and
+TensorFlow (through `Model.predict_on_batch`) and eagerly on PyTorch: one loop
+per segment of cache length (64, 128, ... `max_length` positions), so each step
+attends over at most twice the positions written so far.
 """
 
 import math
@@ -127,7 +129,10 @@ def generate(
         end_token_id=end_token_id,
     )
     length = max_length + (int(pads.max()) if right_padded else 0)
-    generator = _generator(model, plan, length, settings)
+    # One generator per prompt width: its loops are built for that width (the
+    # segment lengths depend on it), and TensorFlow would otherwise retrace a
+    # second width with a relaxed, unknown width.
+    generator = _generator(model, plan, length, settings, prompt.shape[1])
     seed = random.randrange(2**31 - 1) if seed is None else seed
     batch = {
         "prompt": prompt,
@@ -432,9 +437,9 @@ def _input_index(model, tensor):
     )
 
 
-def _generator(model, plan, length, settings):
+def _generator(model, plan, length, settings, width):
     cache = _GENERATORS.setdefault(model, {})
-    key = (length, settings)
+    key = (length, settings, width)
     if key not in cache:
         cache[key] = _Generator(plan, length, settings)
     return cache[key]

@@ -186,7 +186,7 @@ def _heads_major_attention(
     logits = ops.einsum("btkgd,bksd->bkgts", grouped, ops.cast(key, "float32"))
     logits = ops.reshape(logits, (batch, num_heads, query_length, key_length))
     if is_causal:
-        causal = causal_mask(query_length, key_length)
+        causal = causal_mask(query_length, key_length)[None, None]
         mask = causal if mask is None else ops.logical_and(mask, causal)
     has_key = None
     if mask is not None:
@@ -259,6 +259,8 @@ def dot_product_attention(
         )
     num_heads = query.shape[2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    # Scaled once, before either path: both then see the same scaled query.
+    query = ops.multiply(query, ops.cast(scale, query.dtype))
     key = _repeat_key_value_heads(key, num_heads)
     value = _repeat_key_value_heads(value, num_heads)
     has_key = None
@@ -274,13 +276,12 @@ def dot_product_attention(
             key,
             value,
             mask=mask,
-            scale=scale,
+            scale=1.0,
             is_causal=is_causal,
             flash_attention=flash_attention,
         )
         probs = None
     else:
-        query = ops.multiply(query, ops.cast(scale, query.dtype))
         output, probs = _explicit_attention(query, key, value, mask, is_causal, dropout)
     if has_key is not None:
         keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B, T, 1|H, 1)

@@ -108,6 +108,10 @@ def test_multi_head_attention_cache_with_grouped_heads_and_cross_cache():
     output, same = layer(x, cache=cross)
     np.testing.assert_allclose(to_numpy(output), to_numpy(layer(x, memory)), atol=1e-5)
     assert same is cross
+    causal, _ = layer(x, cache=cross, use_causal_mask=True)  # no other mask
+    np.testing.assert_allclose(
+        to_numpy(causal), to_numpy(layer(x, memory, use_causal_mask=True)), atol=1e-5
+    )
 
 
 def test_bad_caches():
@@ -213,6 +217,15 @@ def test_long_generation_crosses_cache_segments(gpt, translator):
     sources = np.array([[3, 4, 5, 6, 7], [8, 9, 0, 0, 0]])
     tokens = generate(translator, [sources, np.ones((2, 1), "int32")], 140)
     assert_greedy(to_numpy(translator([sources, tokens])), tokens, start=1)
+
+
+def test_prompts_of_another_width_reuse_nothing_stale(gpt):
+    """A second call with a wider prompt gets its own compiled loops."""
+    short, wide = np.array([[3, 4, 5]]), np.array([[3, 4, 5, 6, 7]])
+    generate(gpt, short, 10)
+    tokens = generate(gpt, wide, 10)
+    assert tokens[0, :5].tolist() == [3, 4, 5, 6, 7]
+    assert_greedy(to_numpy(gpt(tokens)), tokens, start=5)
 
 
 def test_beam_of_one_equals_greedy(gpt, translator):

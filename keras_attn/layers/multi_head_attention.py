@@ -304,8 +304,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             or (bool(training) and self.dropout > 0)
             or (self.flash_attention is None and not _fused_kernels_pay_off(training))
         )
-        if cache is not None and self.flash_attention is not True:
-            # Heads-major keys and values: no transposed copy of the cache.
+        heads_major = cache is not None and self.flash_attention is not True
+        if heads_major and (explicit or not _on_accelerator(keras.config.backend())):
+            # Read the heads-major cache in place (on a CPU the fused kernels
+            # would take a transposed copy of it at every step).
             result = attn_ops._heads_major_attention(
                 q,
                 k,
