@@ -148,6 +148,24 @@ def _fused_kernel_fits(query, value):
     return not (half and keras.config.backend() == "tensorflow")
 
 
+def _masked_softmax(logits, mask, dtype):
+    """Float32 softmax of `logits` over the keys `mask` allows, cast to `dtype`."""
+    if mask is not None:
+        logits = ops.where(mask, logits, np.finfo("float32").min)
+    return ops.cast(ops.softmax(logits, axis=-1), dtype)
+
+
+def _zero_empty_rows(output, probs, has_key):
+    """Zero the output `(B, T, H, D)` and weights of rows with no allowed key."""
+    if has_key is None:
+        return output, probs
+    keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B, T, 1|H, 1)
+    output = ops.where(keep, output, ops.zeros_like(output))
+    if probs is not None:
+        probs = ops.where(has_key, probs, ops.zeros_like(probs))
+    return output, probs
+
+
 def _explicit_attention(query, key, value, mask, is_causal, dropout):
     """Materialized softmax(QK^T)V with a float32 softmax; returns (out, probs)."""
     logits = ops.einsum(
@@ -155,9 +173,7 @@ def _explicit_attention(query, key, value, mask, is_causal, dropout):
     )  # (B, H, T, S)
     if is_causal:
         mask = causal_mask(ops.shape(query)[1], ops.shape(key)[1])
-    if mask is not None:
-        logits = ops.where(mask, logits, np.finfo("float32").min)
-    probs = ops.cast(ops.softmax(logits, axis=-1), query.dtype)
+    probs = _masked_softmax(logits, mask, query.dtype)
     weights = probs if dropout is None else dropout(probs)
     return ops.einsum("bhts,bshd->bthd", weights, value), probs
 
@@ -191,19 +207,14 @@ def _heads_major_attention(
     has_key = None
     if mask is not None:
         mask, has_key = _attends_to_something(mask)
-        logits = ops.where(mask, logits, np.finfo("float32").min)
-    probs = ops.cast(ops.softmax(logits, axis=-1), query.dtype)
+    probs = _masked_softmax(logits, mask, query.dtype)
     weights = probs if dropout is None else dropout(probs)
     weights = ops.reshape(
         weights, (batch, num_key_value_heads, groups, query_length, key_length)
     )
     output = ops.einsum("bkgts,bksd->btkgd", weights, value)
     output = ops.reshape(output, (batch, query_length, num_heads, value.shape[-1]))
-    if has_key is not None:
-        output = ops.where(
-            ops.transpose(has_key, (0, 2, 1, 3)), output, ops.zeros_like(output)
-        )
-        probs = ops.where(has_key, probs, ops.zeros_like(probs))
+    output, probs = _zero_empty_rows(output, probs, has_key)
     return (output, probs) if return_scores else output
 
 
@@ -283,9 +294,5 @@ def dot_product_attention(
         probs = None
     else:
         output, probs = _explicit_attention(query, key, value, mask, is_causal, dropout)
-    if has_key is not None:
-        keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B, T, 1|H, 1)
-        output = ops.where(keep, output, ops.zeros_like(output))
-        if probs is not None:
-            probs = ops.where(has_key, probs, ops.zeros_like(probs))
+    output, probs = _zero_empty_rows(output, probs, has_key)
     return (output, probs) if return_scores else output
