@@ -18,14 +18,16 @@ _SPLIT = "<model axis>"  # Stands for `model_parallel_dim_name` below.
 # intermediate units) and the second over its inputs, so each attention and
 # feed-forward sublayer needs a single all-reduce.
 _WEIGHTS = (
-    ("query_kernel", (None, _SPLIT, None), "heads"),
-    ("query_bias", (_SPLIT, None), "heads"),
-    ("key_kernel", (None, _SPLIT, None), "key/value heads"),
-    ("key_bias", (_SPLIT, None), "key/value heads"),
-    ("value_kernel", (None, _SPLIT, None), "key/value heads"),
-    ("value_bias", (_SPLIT, None), "key/value heads"),
-    ("output_kernel", (_SPLIT, None, None), "heads"),
-    ("output_bias", (None,), None),
+    ("query/kernel", (None, _SPLIT, None), "heads"),
+    ("query/bias", (_SPLIT, None), "heads"),
+    ("key/kernel", (None, _SPLIT, None), "key/value heads"),
+    ("key/bias", (_SPLIT, None), "key/value heads"),
+    ("value/kernel", (None, _SPLIT, None), "key/value heads"),
+    ("value/bias", (_SPLIT, None), "key/value heads"),
+    ("gate/kernel", (None, _SPLIT, None), "heads"),
+    ("gate/bias", (_SPLIT, None), "heads"),
+    ("attention_output/kernel", (_SPLIT, None, None), "heads"),
+    ("attention_output/bias", (None,), None),
     ("feedforward_intermediate_dense/kernel", (None, _SPLIT), "intermediate units"),
     ("feedforward_intermediate_dense/bias", (_SPLIT,), "intermediate units"),
     ("feedforward_output_dense/kernel", (_SPLIT, None), "intermediate units"),
@@ -39,7 +41,7 @@ _WEIGHTS = (
 )
 # Replicated where the model axis does not divide them: the key/value heads of
 # grouped-query attention. Every other split dimension must be divisible.
-_REPLICATED_IF_INDIVISIBLE = ("key_kernel", "key_bias", "value_kernel", "value_bias")
+_REPLICATED_IF_INDIVISIBLE = ("key/kernel", "key/bias", "value/kernel", "value/bias")
 
 
 def get_layout_map(
@@ -58,17 +60,21 @@ def get_layout_map(
     intermediate units and the second over its inputs, the token embeddings
     over their width. Layouts, `"model"` standing for the model axis:
 
-    - `query_kernel`, `key_kernel`, `value_kernel`: `(None, "model", None)`;
-      `query_bias`, `key_bias`, `value_bias`: `("model", None)`.
-    - `output_kernel`: `("model", None, None)`.
+    - `query/kernel`, `key/kernel`, `value/kernel`, `gate/kernel`:
+      `(None, "model", None)`; their biases `("model", None)`.
+    - `attention_output/kernel`: `("model", None, None)`.
     - `feedforward_intermediate_dense/kernel`: `(None, "model")`, its bias
       `("model",)`; `feedforward_output_dense/kernel`: `("model", None)`.
-    - `embeddings` (`SinusoidalEmbedding` with a vocabulary): `(None, "model")`.
-    - `output_bias`, `feedforward_output_dense/bias` and the layer norms:
-      replicated, `(None,)`.
+    - `embeddings` (the `token_embedding` of `SinusoidalEmbedding`):
+      `(None, "model")`.
+    - `attention_output/bias`, `feedforward_output_dense/bias` and the layer
+      norms: replicated, `(None,)`.
 
-    Every keras_attn weight is matched by exactly one rule. Weights of other
-    layers match none, and `ModelParallel` replicates them. Every weight is
+    Every keras_attn weight is matched by exactly one rule. Keras'
+    `keras.layers.MultiHeadAttention` has the same sublayers and weights, so
+    it is split the same way; other layers' weights match none, and
+    `ModelParallel` replicates them (as it does the scales of quantized
+    kernels and LoRA adapters). Every weight is
     replicated across `data_parallel_dim_name`, over which the batch is split.
     Layouts only place the numbers: training gives the results of one device,
     up to float rounding. They take effect on the JAX backend; on TensorFlow
@@ -78,11 +84,13 @@ def get_layout_map(
 
     - Without `model` (the usual order: the layout map first, then the model
       created under the distribution), the keys are regular expressions on the
-      ends of the weights' paths (`.*/query_kernel$`), which match whatever
+      ends of the weights' paths (`.*/query/kernel$`), which match whatever
       the layers are called. Every split dimension must then be divisible by
       the model axis size (JAX raises when the weight is created otherwise).
-      A weight of another layer named `embeddings` (`keras.layers.Embedding`)
-      is split like the token embeddings.
+      Any `keras.layers.Embedding`'s `embeddings` is split like the token
+      embeddings, and a weight of another kind of layer whose path ends like
+      a rule (a `Dense` named `query`) would get its layout: use the `model`
+      mode then, which checks the ranks.
     - With a built `model`, the same rules are resolved against its weights,
       keyed by their exact paths, and checked: the key/value projections of
       grouped-query attention whose key/value heads the model axis size does
@@ -112,7 +120,7 @@ def get_layout_map(
     >>> mesh = keras.distribution.DeviceMesh(
     ...     (1, 1), ["batch", "model"], devices=["cpu:0"])
     >>> layout_map = keras_attn.distribution.get_layout_map(mesh)
-    >>> layout_map["translator/encoder/self_attention/query_kernel"].axes
+    >>> layout_map["translator/encoder/self_attention/query/kernel"].axes
     (None, 'model', None)
     >>> layout_map["translator/encoder/feedforward_output_dense/kernel"].axes
     ('model', None)
@@ -126,7 +134,7 @@ def get_layout_map(
     ...     64, num_heads=4, num_key_value_heads=2, name="encoder")
     >>> _ = encoder(np.zeros((1, 3, 16)))
     >>> layout_map = keras_attn.distribution.get_layout_map(mesh, model=encoder)
-    >>> layout_map["encoder/self_attention/key_kernel"].axes
+    >>> layout_map["encoder/self_attention/key/kernel"].axes
     (None, 'model', None)
     """
     axis_size = _model_axis_size(

@@ -108,7 +108,8 @@ def generate(
 
     Example:
     >>> ids = keras.Input((None,), dtype="int32")
-    >>> x = keras_attn.SinusoidalEmbedding(16, 20, mask_zero=True)(ids)
+    >>> x = keras_attn.SinusoidalEmbedding(
+    ...     vocabulary_size=20, embedding_dim=16, mask_zero=True)(ids)
     >>> x = keras_attn.TransformerDecoder(intermediate_dim=32, num_heads=2)(x)
     >>> model = keras.Model(ids, keras.layers.Dense(20)(x))
     >>> tokens = keras_attn.generation.generate(model, np.array([[3, 4, 5]]), 8)

@@ -11,10 +11,12 @@ import numpy as np
 from keras import ops
 
 __all__ = [
+    "alibi_bias",
     "causal_mask",
     "dot_product_attention",
     "merge_attention_masks",
     "sinusoidal_position_encoding",
+    "sliding_window_mask",
 ]
 
 
@@ -54,14 +56,28 @@ def sinusoidal_position_encoding(
         float(max_wavelength), -(2 * (channels // 2)) / dim, dtype=np.float64
     ).astype("float32")  # (dim,)
     start = ops.cast(start_index, "float32")
-    positions = ops.cast(ops.arange(length), "float32")  # (T,)
+    positions = ops.arange(0, length, dtype="float32")  # (T,)
     if len(start.shape) == 1:
-        positions = positions[None, :] + start[:, None]  # (B, T)
+        positions = ops.expand_dims(positions, 0) + ops.expand_dims(start, 1)  # (B, T)
     else:
         positions = positions + start
-    angles = positions[..., None] * ops.convert_to_tensor(inverse_frequency)
+    angles = ops.expand_dims(positions, -1) * ops.convert_to_tensor(inverse_frequency)
     even = ops.convert_to_tensor(channels % 2 == 0)
     return ops.cast(ops.where(even, ops.sin(angles), ops.cos(angles)), dtype)
+
+
+def _offsets(query_length, key_length, query_offset):
+    """`(T, S)` int32 `key position - query position`; query `i` sits at
+    `i + query_offset`, key `j` at `j`.
+
+    (`arange(0, n)`, `expand_dims` rather than `arange(n)`, `[None]`: the
+    forms that jax2onnx and TensorFlow Lite's builtin ops export.)
+    """
+    query_positions = ops.arange(0, query_length, dtype="int32") + ops.cast(
+        query_offset, "int32"
+    )
+    key_positions = ops.arange(0, key_length, dtype="int32")
+    return ops.expand_dims(key_positions, 0) - ops.expand_dims(query_positions, 1)
 
 
 def causal_mask(query_length, key_length, query_offset=0):
@@ -82,77 +98,135 @@ def causal_mask(query_length, key_length, query_offset=0):
            [1, 1, 0],
            [1, 1, 1]])
     """
-    query_positions = ops.arange(query_length) + query_offset  # (T,)
-    key_positions = ops.arange(key_length)  # (S,)
-    return ops.greater_equal(query_positions[:, None], key_positions[None, :])
+    return _offsets(query_length, key_length, query_offset) <= 0
 
 
-def merge_attention_masks(key_padding_mask=None, attention_mask=None):
-    """Combine a key padding mask and an attention mask into one `(B, 1|H, T, S)`.
+def sliding_window_mask(query_length, key_length, window, query_offset=0):
+    """Boolean band: query `i` may attend to keys within `window - 1` positions.
+
+    Key `j` is allowed where `|i + query_offset - j| < window`, the symmetric
+    band of Keras' `MultiHeadAttention(sliding_window=...)`. ANDed with
+    `causal_mask`, it is the causal sliding window of Mistral (each query sees
+    itself and the `window - 1` keys before it).
 
     Args:
-        key_padding_mask: optional bool `(B, S)`, True for keys that may be
-            attended to.
-        attention_mask: optional bool `(T, S)`, `(B, T, S)` or `(B, 1|H, T, S)`,
-            True where attention is allowed.
+        query_length: int or scalar tensor. Number of query positions.
+        key_length: int or scalar tensor. Number of key positions.
+        window: int >= 1. Width of the band on each side, the query included.
+        query_offset: int or scalar tensor. Absolute position of the first
+            query. Defaults to `0`.
 
     Returns:
-        Bool tensor of rank 4 broadcastable to `(B, H, T, S)`, or `None` when
-        both masks are `None`.
+        Bool tensor `(query_length, key_length)`, True where attention is allowed.
+
+    Example:
+    >>> mask = keras_attn.ops.sliding_window_mask(4, 4, window=2)
+    >>> keras.ops.convert_to_numpy(mask).astype(int)
+    array([[1, 1, 0, 0],
+           [1, 1, 1, 0],
+           [0, 1, 1, 1],
+           [0, 0, 1, 1]])
+    """
+    return ops.abs(_offsets(query_length, key_length, query_offset)) < window
+
+
+def _alibi_slopes(num_heads, max_bias):
+    """The per-head slopes of Press et al. (2022), float64 numpy `(H,)`.
+
+    For a power of two `n`, the geometric sequence starting at and with ratio
+    `2**(-max_bias / n)`; otherwise the slopes of the closest smaller power of
+    two, then every other slope of the next power of two (the paper's code).
+    """
+    closest = 2 ** math.floor(math.log2(num_heads))
+
+    def geometric(n):
+        start = 2.0 ** (-max_bias / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    extra = geometric(2 * closest)[0::2][: num_heads - closest]
+    return np.array(geometric(closest) + extra, dtype=np.float64)
+
+
+def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0):
+    """ALiBi's linear attention bias (Press et al., 2022), to add to the logits.
+
+    `bias[h, i, j] = -slope_h * |i + query_offset - j|`, with the paper's
+    head slopes (`1/2, 1/4, ..., 1/256` for 8 heads). Under a causal mask this
+    is the paper's `-slope_h * (i - j)`; without one it penalizes distance in
+    both directions. Pass it as `attention_bias` to
+    `keras_attn.MultiHeadAttention` or as `bias` to `dot_product_attention`.
+
+    Args:
+        num_heads: int. Number of query heads.
+        query_length: int or scalar tensor. Number of query positions.
+        key_length: int or scalar tensor. Number of key positions.
+        query_offset: int or scalar tensor. Absolute position of the first
+            query, e.g. the cache index in step-by-step decoding. Defaults
+            to `0`.
+        max_bias: float. The slopes are `2**(-max_bias * k / num_heads)`.
+            Defaults to `8.0`, the paper's value.
+
+    Returns:
+        Float32 tensor `(1, num_heads, query_length, key_length)`.
+
+    Example:
+    >>> bias = keras_attn.ops.alibi_bias(num_heads=2, query_length=3, key_length=3)
+    >>> keras.ops.convert_to_numpy(bias)[0, 0].tolist()
+    [[0.0, -0.0625, -0.125], [-0.0625, 0.0, -0.0625], [-0.125, -0.0625, 0.0]]
+    """
+    slopes = _alibi_slopes(num_heads, max_bias).astype("float32")
+    offsets = _offsets(query_length, key_length, query_offset)
+    minus_distance = ops.cast(
+        -ops.abs(offsets), "float32"
+    )  # 0, not -0, on the diagonal
+    return ops.reshape(ops.convert_to_tensor(slopes), (1, -1, 1, 1)) * ops.expand_dims(
+        minus_distance, (0, 1)
+    )
+
+
+def merge_attention_masks(*masks):
+    """AND any number of boolean attention masks into one `(B|1, H|1, T, S)` mask.
+
+    Each mask is `None` (skipped) or a bool tensor of rank 2 `(T, S)`, rank 3
+    `(B, T, S)` or rank 4 `(B, H, T, S)`, where any axis may be 1 to
+    broadcast. True means "may attend". A key padding mask `(B, S)` enters as
+    `padding[:, None, :]`.
+
+    Args:
+        *masks: bool tensors of rank 2 to 4, or `None`.
+
+    Returns:
+        Bool tensor of rank 4, or `None` when every mask is `None`.
 
     Example:
     >>> padding = np.array([[True, True, False]])
-    >>> mask = keras_attn.ops.merge_attention_masks(padding, np.tril(np.ones((3, 3))))
+    >>> causal = np.tril(np.ones((3, 3), bool))
+    >>> mask = keras_attn.ops.merge_attention_masks(padding[:, None, :], causal)
     >>> keras.ops.convert_to_numpy(mask)[0, 0].astype(int)
     array([[1, 0, 0],
            [1, 1, 0],
            [1, 1, 0]])
     """
-    mask = None
-    if attention_mask is not None:
-        mask = ops.cast(attention_mask, "bool")
-        while len(mask.shape) < 4:
-            mask = ops.expand_dims(mask, 0 if len(mask.shape) == 2 else 1)
-    if key_padding_mask is not None:
-        padding = ops.cast(key_padding_mask, "bool")[:, None, None, :]  # (B,1,1,S)
-        mask = padding if mask is None else ops.logical_and(mask, padding)
-    return mask
+    merged = None
+    for mask in masks:
+        if mask is None:
+            continue
+        mask = ops.cast(mask, "bool")
+        rank = len(mask.shape)
+        if rank not in (2, 3, 4):
+            raise ValueError(
+                "Attention masks must have rank 2 `(T, S)`, 3 `(B, T, S)` or 4 "
+                f"`(B, H, T, S)`. Received: mask.shape={tuple(mask.shape)}."
+            )
+        mask = ops.expand_dims(mask, (0, 1) if rank == 2 else 1) if rank < 4 else mask
+        merged = mask if merged is None else ops.logical_and(merged, mask)
+    return merged
 
 
 def _attends_to_something(mask):
     """`(mask with empty rows opened, rows_with_any_key)` for a rank-4 mask."""
     has_key = ops.any(mask, axis=-1, keepdims=True)  # (B, 1|H, T, 1)
     return ops.logical_or(mask, ops.logical_not(has_key)), has_key
-
-
-def _repeat_key_value_heads(tensor, num_heads):
-    """`(B, S, K, D)` -> `(B, S, num_heads, D)`: each K/V head serves a group."""
-    num_key_value_heads = tensor.shape[2]
-    if num_key_value_heads == num_heads:
-        return tensor
-    return ops.repeat(tensor, num_heads // num_key_value_heads, axis=2)
-
-
-def _fused_kernel_fits(query, value):
-    """Whether `keras.ops.dot_product_attention` computes what the explicit path does.
-
-    Its kernels need keys and values of one width, and TensorFlow's forms
-    half-precision logits in half precision (they overflow float16 and lose
-    bfloat16 digits); JAX's and PyTorch's accumulate them in float32. With
-    `flash_attention=True` the fused op is called regardless, and raises where
-    it cannot do what was asked.
-    """
-    if value.shape[-1] != query.shape[-1]:
-        return False
-    half = keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16")
-    return not (half and keras.config.backend() == "tensorflow")
-
-
-def _masked_softmax(logits, mask, dtype):
-    """Float32 softmax of `logits` over the keys `mask` allows, cast to `dtype`."""
-    if mask is not None:
-        logits = ops.where(mask, logits, np.finfo("float32").min)
-    return ops.cast(ops.softmax(logits, axis=-1), dtype)
 
 
 def _zero_empty_rows(output, probs, has_key):
@@ -166,56 +240,126 @@ def _zero_empty_rows(output, probs, has_key):
     return output, probs
 
 
-def _explicit_attention(query, key, value, mask, is_causal, dropout):
-    """Materialized softmax(QK^T)V with a float32 softmax; returns (out, probs)."""
-    logits = ops.einsum(
-        "bthd,bshd->bhts", ops.cast(query, "float32"), ops.cast(key, "float32")
-    )  # (B, H, T, S)
-    if is_causal:
-        mask = causal_mask(ops.shape(query)[1], ops.shape(key)[1])
-    probs = _masked_softmax(logits, mask, query.dtype)
-    weights = probs if dropout is None else dropout(probs)
-    return ops.einsum("bhts,bshd->bthd", weights, value), probs
+def _uses_fused_kernel(query, value, flash_attention, dropout, scores):
+    """The dispatcher: `keras.ops.dot_product_attention` (fused) or the explicit path.
 
+    The rules, in order. Correctness limits first: where `flash_attention=True`
+    asks for what they rule out, it raises rather than falling back.
 
-def _heads_major_attention(
-    query, key, value, mask=None, is_causal=False, dropout=None, return_scores=False
-):
-    """`dot_product_attention`'s explicit path for heads-major keys and values.
+    1. `flash_attention=False`: explicit.
+    2. Dropout on the weights (training), returning the weights, or values of
+       another width than the keys: explicit; with `flash_attention=True`, a
+       `ValueError`.
+    3. `flash_attention=True`: fused (the backend raises where it has no
+       flash kernel, e.g. on a CPU or under TensorFlow).
+    4. TensorFlow: explicit. Keras has no fused TensorFlow kernel, and its op
+       fails for one key/value head and forms half-precision logits (which
+       overflow float16 to NaN).
+    5. Otherwise: fused, heads-major caches too (transposed first).
 
-    `query` `(B, T, H, D)`; `key` and `value` `(B, K, S, D)`, the layout of the
-    key/value caches, where each head's keys are contiguous: one step of cached
-    decoding reads them without the transposed copy a `(B, S, K, D)` layout
-    costs. Grouped-query heads are matched by a reshape, not repeated. Same
-    numbers, masks and empty-row zeros as the explicit path; returns
-    `(B, T, H, D)`, or `(output, weights (B, H, T, S))` with `return_scores`.
+    No speed rule: none measured wins by 10%. Reading a heads-major cache in
+    place in a decoding step was one; `benchmarks/dispatch.py` finds it level
+    with the fused kernel on JAX and slower on PyTorch.
     """
-    batch, query_length = ops.shape(query)[0], ops.shape(query)[1]
-    num_heads, head_dim = query.shape[2], query.shape[3]
-    num_key_value_heads, key_length = key.shape[1], ops.shape(key)[2]
-    groups = num_heads // num_key_value_heads
-    query = ops.multiply(query, ops.cast(1.0 / math.sqrt(head_dim), query.dtype))
-    grouped = ops.reshape(
-        ops.cast(query, "float32"),
-        (batch, query_length, num_key_value_heads, groups, head_dim),
-    )
-    logits = ops.einsum("btkgd,bksd->bkgts", grouped, ops.cast(key, "float32"))
-    logits = ops.reshape(logits, (batch, num_heads, query_length, key_length))
-    if is_causal:
-        causal = causal_mask(query_length, key_length)[None, None]
-        mask = causal if mask is None else ops.logical_and(mask, causal)
-    has_key = None
+    reasons = {
+        "dropout on the attention weights": dropout is not None,
+        "returning the attention weights": scores,
+        "values of another width than the keys": _differ(
+            value.shape[-1], query.shape[-1]
+        ),
+    }
+    needs_explicit = [reason for reason, applies in reasons.items() if applies]
+    if flash_attention is False or (needs_explicit and flash_attention is None):
+        return False
+    if needs_explicit:
+        raise ValueError(
+            "`flash_attention=True` needs the fused flash kernel, which cannot "
+            f"compute attention with {' or '.join(needs_explicit)}. Pass "
+            "`flash_attention=None` (fused where possible) or `False`."
+        )
+    return bool(flash_attention) or keras.config.backend() != "tensorflow"
+
+
+def _differ(a, b):
+    return isinstance(a, int) and isinstance(b, int) and a != b
+
+
+def _grouped_einsums(num_heads, num_key_value_heads, heads_major):
+    """The explicit path's two einsums, for either key/value layout.
+
+    Query heads `h = k * G + g` share key/value head `k` (`G` = heads per
+    key/value head), matched by a reshape rather than a repeat.
+    """
+    keys = "bksd" if heads_major else "bskd"
+    if num_heads == num_key_value_heads:
+        keys = keys.replace("k", "h")
+        return f"bthd,{keys}->bhts", f"bhts,{keys}->bthd"
+    return f"btkgd,{keys}->bkgts", f"bkgts,{keys}->btkgd"
+
+
+def _masked_softmax(logits, mask, dtype):
+    """Float32 softmax of `logits` over the keys `mask` allows, cast to `dtype`."""
     if mask is not None:
-        mask, has_key = _attends_to_something(mask)
-    probs = _masked_softmax(logits, mask, query.dtype)
-    weights = probs if dropout is None else dropout(probs)
-    weights = ops.reshape(
-        weights, (batch, num_key_value_heads, groups, query_length, key_length)
+        logits = ops.where(mask, logits, np.finfo("float32").min)
+    return ops.cast(ops.softmax(logits, axis=-1), dtype)
+
+
+def _explicit_attention(query, key, value, mask, bias, dropout, heads_major):
+    """Materialized softmax(QK^T + bias) V, logits and softmax in float32.
+
+    `query` `(B, T, H, D)` (already scaled); `key`, `value` `(B, S, K, D)`, or
+    `(B, K, S, D)` with `heads_major`. Returns `(output (B, T, H, Dv),
+    weights (B, H, T, S))`.
+    """
+    batch, query_length, num_heads, head_dim = ops.shape(query)
+    num_key_value_heads = key.shape[1 if heads_major else 2]
+    key_length = ops.shape(key)[2 if heads_major else 1]
+    groups = num_heads // num_key_value_heads
+    scores_equation, combine_equation = _grouped_einsums(
+        num_heads, num_key_value_heads, heads_major
     )
-    output = ops.einsum("bkgts,bksd->btkgd", weights, value)
-    output = ops.reshape(output, (batch, query_length, num_heads, value.shape[-1]))
-    output, probs = _zero_empty_rows(output, probs, has_key)
-    return (output, probs) if return_scores else output
+    query = ops.cast(query, "float32")
+    if groups > 1:
+        query = ops.reshape(
+            query, (batch, query_length, num_key_value_heads, groups, head_dim)
+        )
+    logits = ops.einsum(scores_equation, query, ops.cast(key, "float32"))
+    logits = ops.reshape(logits, (batch, num_heads, query_length, key_length))
+    if bias is not None:
+        logits = logits + ops.cast(bias, "float32")
+    probs = _masked_softmax(logits, mask, value.dtype)
+    weights = probs if dropout is None else dropout(probs)
+    if groups > 1:
+        weights = ops.reshape(
+            weights, (batch, num_key_value_heads, groups, query_length, key_length)
+        )
+    output = ops.einsum(combine_equation, weights, value)
+    return ops.reshape(output, (batch, query_length, num_heads, -1)), probs
+
+
+def _fused_attention(query, key, value, mask, bias, is_causal, flash_attention):
+    """`keras.ops.dot_product_attention` on `(B, S, K, D)` keys and values.
+
+    Keras' torch backend refuses a `bias` with a `mask`, so a mask goes into
+    the bias then (as the dtype's lowest value where it forbids attention).
+    """
+    if bias is not None:
+        bias = ops.cast(bias, query.dtype)
+        if mask is not None:
+            lowest = ops.cast(
+                np.finfo(keras.backend.standardize_dtype(query.dtype)).min, query.dtype
+            )
+            bias, mask = ops.where(mask, bias, lowest), None
+    return ops.dot_product_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        scale=1.0,  # the query is scaled already
+        is_causal=is_causal,
+        flash_attention=flash_attention,
+    )
 
 
 def dot_product_attention(
@@ -223,76 +367,83 @@ def dot_product_attention(
     key,
     value,
     mask=None,
+    bias=None,
     is_causal=False,
     scale=None,
-    fused=True,
     flash_attention=None,
     dropout=None,
     return_scores=False,
+    heads_major=False,
 ):
-    """Scaled dot-product attention, softmax(QK^T * scale) V, with safe masking.
+    """Scaled dot-product attention, softmax(QK^T * scale + bias) V, safely masked.
 
-    With `fused=True` it calls `keras.ops.dot_product_attention` (cuDNN/flash
-    kernels where the backend has them); with `fused=False` it materializes the
-    attention weights with a float32 softmax, applies `dropout` to them and can
-    return them. Both give the same numbers. A query row whose mask allows no key
-    at all attends to nothing: its output and its weights are zeros, never NaN.
+    One function chooses the kernel (see the table in `_uses_fused_kernel`):
+    the fused `keras.ops.dot_product_attention` (cuDNN/flash kernels where
+    the backend has them) or an explicit path that materializes the weights
+    with float32 logits and softmax, can apply `dropout` to them and return
+    them. Both give the same numbers. Grouped-query keys and values (`K`
+    heads for `H` query heads) reach either kernel unrepeated. A query row
+    whose mask allows no key at all attends to nothing: its output and its
+    weights are zeros, never NaN.
 
     Args:
         query: `(B, T, H, D)`.
-        key: `(B, S, K, D)`; `K` divides `H` (grouped-query attention).
-        value: `(B, S, K, Dv)`.
-        mask: optional bool, broadcastable to `(B, H, T, S)`, True = may attend.
-        is_causal: bool. Also apply a lower-triangular mask (query `i` sees keys
-            `j <= i`). Defaults to `False`.
+        key: `(B, S, K, D)`, or `(B, K, S, D)` with `heads_major`; `K` divides
+            `H` (grouped-query attention).
+        value: `(B, S, K, Dv)`, or `(B, K, S, Dv)` with `heads_major`.
+        mask: optional bool of rank 2 `(T, S)`, 3 `(B, T, S)` or 4
+            `(B, H, T, S)`, broadcastable; True = may attend.
+        bias: optional float, broadcastable to `(B, H, T, S)`, added to the
+            scaled logits (e.g. `alibi_bias`).
+        is_causal: bool. Also apply a lower-triangular mask (query `i` sees
+            keys `j <= i`). Defaults to `False`.
         scale: float. Logit scale; defaults to `1 / sqrt(D)`.
-        fused: bool. Use the fused backend kernel. Defaults to `True`.
-        flash_attention: `None`, `True` or `False`, passed to
-            `keras.ops.dot_product_attention` on the fused path.
-        dropout: optional callable applied to the weights (explicit path only).
-        return_scores: bool. Also return the weights `(B, H, T, S)` (explicit
-            path only). Defaults to `False`.
+        flash_attention: `None` (fused where it computes the same), `True`
+            (require the backend's flash kernel; raises where it cannot be
+            used) or `False` (always the explicit path). Defaults to `None`.
+        dropout: optional callable applied to the weights; it forces the
+            explicit path, so pass it only when dropout is active.
+        return_scores: bool. Also return the weights `(B, H, T, S)` (before
+            dropout). Defaults to `False`.
+        heads_major: bool. Keys and values are `(B, K, S, D)`, the layout of
+            the key/value caches. Defaults to `False`.
 
     Returns:
         `(B, T, H, Dv)`, or `(output, weights)` with `return_scores=True`.
 
     Example:
     >>> q = np.random.rand(2, 3, 4, 8).astype("float32")
-    >>> out = keras_attn.ops.dot_product_attention(q, q, q, is_causal=True)
+    >>> kv = np.random.rand(2, 5, 2, 8).astype("float32")  # 2 key/value heads
+    >>> out = keras_attn.ops.dot_product_attention(q, kv, kv, mask=np.ones((3, 5)))
     >>> tuple(out.shape)
     (2, 3, 4, 8)
     """
-    if fused and (dropout is not None or return_scores):
-        raise ValueError(
-            "`dropout` and `return_scores` need the explicit path. "
-            f"Received: fused={fused}, dropout={dropout}, "
-            f"return_scores={return_scores}. Pass `fused=False`."
-        )
-    num_heads = query.shape[2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    # Scaled once, before either path: both then see the same scaled query.
+    # Scaled once, before either kernel: both then see the same scaled query.
     query = ops.multiply(query, ops.cast(scale, query.dtype))
-    key = _repeat_key_value_heads(key, num_heads)
-    value = _repeat_key_value_heads(value, num_heads)
+    query_length = ops.shape(query)[1]
+    key_length = ops.shape(key)[2 if heads_major else 1]
+    fused = _uses_fused_kernel(query, value, flash_attention, dropout, return_scores)
+    mask = merge_attention_masks(mask)
+    if bias is not None:  # rank 4, which every backend's fused kernel takes
+        bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
+    if is_causal and (mask is not None or not fused):
+        # Folded in, so that rows left empty by both masks are found.
+        mask = merge_attention_masks(mask, causal_mask(query_length, key_length))
+        is_causal = False
     has_key = None
     if mask is not None:
-        if is_causal:  # Fold it in, so rows left empty by both masks are found.
-            causal = causal_mask(ops.shape(query)[1], ops.shape(key)[1])
-            mask, is_causal = ops.logical_and(mask, causal), False
         mask, has_key = _attends_to_something(mask)
-    fused = fused and (flash_attention or _fused_kernel_fits(query, value))
     if fused:
-        output = ops.dot_product_attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            scale=1.0,
-            is_causal=is_causal,
-            flash_attention=flash_attention,
+        if heads_major:  # the fused kernels take `(B, S, K, D)`
+            key, value = (ops.transpose(x, (0, 2, 1, 3)) for x in (key, value))
+        output = _fused_attention(
+            query, key, value, mask, bias, is_causal, flash_attention
         )
         probs = None
     else:
-        output, probs = _explicit_attention(query, key, value, mask, is_causal, dropout)
+        output, probs = _explicit_attention(
+            query, key, value, mask, bias, dropout, heads_major
+        )
     output, probs = _zero_empty_rows(output, probs, has_key)
     return (output, probs) if return_scores else output

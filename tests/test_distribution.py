@@ -34,14 +34,16 @@ MESH = (2, 4)  # ("batch", "model")
 # The layout of every keras_attn weight, by the end of its path, written out
 # independently of keras_attn/distribution.py.
 EXPECTED = {
-    "query_kernel": (None, "model", None),
-    "key_kernel": (None, "model", None),
-    "value_kernel": (None, "model", None),
-    "query_bias": ("model", None),
-    "key_bias": ("model", None),
-    "value_bias": ("model", None),
-    "output_kernel": ("model", None, None),
-    "output_bias": (None,),
+    "query/kernel": (None, "model", None),
+    "key/kernel": (None, "model", None),
+    "value/kernel": (None, "model", None),
+    "gate/kernel": (None, "model", None),
+    "query/bias": ("model", None),
+    "key/bias": ("model", None),
+    "value/bias": ("model", None),
+    "gate/bias": ("model", None),
+    "attention_output/kernel": ("model", None, None),
+    "attention_output/bias": (None,),
     "feedforward_intermediate_dense/kernel": (None, "model"),
     "feedforward_intermediate_dense/bias": ("model",),
     "feedforward_output_dense/kernel": ("model", None),
@@ -53,7 +55,7 @@ EXPECTED = {
         for weight in ("gamma", "beta")
     },
 }
-KEY_VALUE = re.compile(r".*/(key|value)_(kernel|bias)")
+KEY_VALUE = re.compile(r".*/(key|value)/(kernel|bias)")
 
 
 def expected_axes(path):
@@ -72,7 +74,9 @@ def fake_mesh(model_axis, data_axis=1):
     )
 
 
-def encoder_decoder(num_key_value_heads=None, heads=HEADS, width=WIDTH, names=()):
+def encoder_decoder(
+    num_key_value_heads=None, heads=HEADS, width=WIDTH, names=(), use_gate=False
+):
     """Embeddings, an encoder, a cross-attending decoder, a Dense head.
 
     The layers are named, so that every build has the same variable paths.
@@ -88,6 +92,7 @@ def encoder_decoder(num_key_value_heads=None, heads=HEADS, width=WIDTH, names=()
         intermediate_dim=INTERMEDIATE,
         num_heads=heads,
         num_key_value_heads=num_key_value_heads,
+        use_gate=use_gate,
     )
     embedding = dict(embedding_dim=width, vocabulary_size=VOCAB, mask_zero=True)
     source = keras.Input((None,), dtype="int32", name="source")
@@ -142,7 +147,7 @@ def keras_attn_weights(model):
 
 
 def test_every_keras_attn_weight_matches_exactly_one_rule():
-    model = encoder_decoder()
+    model = encoder_decoder(use_gate=True)
     layout_map = get_layout_map(fake_mesh(4))
     for weight in model.weights:
         matches = [key for key in layout_map if re.fullmatch(key, weight.path)]
@@ -157,8 +162,8 @@ def test_every_keras_attn_weight_matches_exactly_one_rule():
         assert len(layout.axes) == len(weight.shape), weight.path
 
 
-def test_no_rule_matches_two_kinds_of_weights():
-    model = encoder_decoder()
+def test_every_rule_matches_one_kind_of_weights():
+    model = encoder_decoder(use_gate=True)
     layout_map = get_layout_map(fake_mesh(4))
     for key in layout_map:
         ends = {
@@ -171,17 +176,27 @@ def test_no_rule_matches_two_kinds_of_weights():
 
 def test_rules_match_whatever_the_layers_are_called():
     layout_map = get_layout_map(fake_mesh(4))
-    names = {"source": "a", "target": "query_kernel", "encoder": "x-1", "decoder": "y"}
+    names = {"source": "a", "target": "query", "encoder": "x-1", "decoder": "key"}
     for weight in keras_attn_weights(encoder_decoder(names=names)):
         assert layout_map[weight.path].axes == expected_axes(weight.path)
-    # A standalone attention layer without biases.
-    attention = keras_attn.MultiHeadAttention(4, use_bias=False, name="attention")
-    attention(np.zeros((1, 3, 8)))
-    assert [layout_map[w.path].axes for w in attention.weights] == [
-        (None, "model", None),
-        (None, "model", None),
-        (None, "model", None),
-        ("model", None, None),
+
+
+@pytest.mark.parametrize("layer_cls", ["keras_attn", "keras"])
+def test_gated_attention_without_biases_and_keras_own_layer(layer_cls):
+    """A gate, no biases; Keras' layer has the same sublayers, so the same rules."""
+    layout_map = get_layout_map(fake_mesh(4))
+    cls = {
+        "keras_attn": keras_attn.MultiHeadAttention,
+        "keras": keras.layers.MultiHeadAttention,
+    }[layer_cls]
+    attention = cls(4, key_dim=2, use_bias=False, use_gate=True, name="attention")
+    attention(np.zeros((1, 3, 8)), np.zeros((1, 3, 8)))
+    assert [(w.path, layout_map[w.path].axes) for w in attention.weights] == [
+        ("attention/query/kernel", (None, "model", None)),
+        ("attention/key/kernel", (None, "model", None)),
+        ("attention/gate/kernel", (None, "model", None)),
+        ("attention/value/kernel", (None, "model", None)),
+        ("attention/attention_output/kernel", ("model", None, None)),
     ]
 
 
@@ -200,8 +215,8 @@ def test_model_rules_escape_regex_characters_in_names():
     layout_map = get_layout_map(fake_mesh(2), model=encoder_decoder(names=names))
     for weight in keras_attn_weights(encoder_decoder(names=names)):
         assert layout_map[weight.path].axes == expected_axes(weight.path)
-    assert layout_map["ss/embeddings"] is None
-    assert layout_map["ttt/embeddings"] is None
+    assert layout_map["ss/token_embedding/embeddings"] is None
+    assert layout_map["ttt/token_embedding/embeddings"] is None
 
 
 def test_grouped_query_key_values_are_replicated_when_heads_do_not_divide():
@@ -222,54 +237,89 @@ def test_grouped_query_key_values_are_replicated_when_heads_do_not_divide():
         assert layout_map[path].axes == expected_axes(path), path
 
 
-@pytest.mark.parametrize(
-    "kwargs, model_axis, message",
-    [
-        (
-            {"heads": 2},
-            4,
-            r"The model axis 'model' \(size 4\) must divide the heads of every "
-            r"keras_attn layer: .* Received: weight "
-            r"'encoder/self_attention/query_kernel' of shape \(16, 2, 8\), whose "
-            r"dimension 1 \(heads\) is 2\. Use a model axis whose size divides 2",
-        ),
-        (
-            {"width": 20},  # 4 heads of 5.
-            8,
-            r"\(size 8\) .* Received: weight 'source_embedding/embeddings' of "
-            r"shape \(13, 20\), whose dimension 1 \(embedding width\) is 20",
-        ),
-    ],
-)
-def test_model_axis_that_does_not_divide_raises(kwargs, model_axis, message):
-    model = encoder_decoder(**kwargs)
-    with pytest.raises(ValueError, match=message):
-        get_layout_map(fake_mesh(model_axis), model=model)
-
-
-def test_intermediate_units_that_do_not_divide_raise():
+def intermediate_units_of_10():
     encoder = keras_attn.TransformerEncoder(10, 4, name="encoder")
     encoder(np.zeros((1, 3, 8)))
-    with pytest.raises(
+    return encoder
+
+
+# Each row gives `get_layout_map(fake_mesh(2))` one bad argument, which must
+# raise an error naming it and what was received. Callables are called first.
+LAYOUT_ROWS = [
+    pytest.param(
+        {"device_mesh": (1, 2)},
+        TypeError,
+        r"`device_mesh` must be.*Received: device_mesh=\(1, 2\) of type tuple",
+        id="device_mesh",
+    ),
+    pytest.param(
+        {"model_parallel_dim_name": "tensor"},
         ValueError,
-        match=r"'encoder/feedforward_intermediate_dense/kernel' of shape \(8, 10\), "
+        r"model_parallel_dim_name='tensor'",
+        id="model_parallel_dim_name",
+    ),
+    pytest.param(
+        {"model_parallel_dim_name": 3},
+        ValueError,
+        r"model_parallel_dim_name=3",
+        id="model_parallel_dim_name-type",
+    ),
+    pytest.param(
+        {"data_parallel_dim_name": "data"},
+        ValueError,
+        r"data_parallel_dim_name='data'",
+        id="data_parallel_dim_name",
+    ),
+    pytest.param(
+        {"data_parallel_dim_name": "model"},
+        ValueError,
+        r"data_parallel_dim_name='model'",
+        id="data_parallel_dim_name-same-as-model",
+    ),
+    pytest.param(
+        {"model": lambda: keras_attn.TransformerEncoder(8, 2, name="encoder")},
+        ValueError,
+        r"`model` must be built.*'encoder', not built",
+        id="model-unbuilt",
+    ),
+    pytest.param(
+        {
+            "model": lambda: encoder_decoder(heads=2),
+            "device_mesh": lambda: fake_mesh(4),
+        },
+        ValueError,
+        r"The model axis 'model' \(size 4\) must divide the heads of every "
+        r"keras_attn layer: .* Received: weight "
+        r"'encoder/self_attention/query/kernel' of shape \(16, 2, 8\), whose "
+        r"dimension 1 \(heads\) is 2\. Use a model axis whose size divides 2",
+        id="model-heads-indivisible",
+    ),
+    pytest.param(
+        {
+            "model": lambda: encoder_decoder(width=20),
+            "device_mesh": lambda: fake_mesh(8),
+        },
+        ValueError,
+        r"\(size 8\) .* Received: weight "
+        r"'source_embedding/token_embedding/embeddings' of shape \(13, 20\), "
+        r"whose dimension 1 \(embedding width\) is 20",
+        id="model-embedding-width-indivisible",  # 4 heads of 5.
+    ),
+    pytest.param(
+        {"model": intermediate_units_of_10, "device_mesh": lambda: fake_mesh(4)},
+        ValueError,
+        r"'encoder/feedforward_intermediate_dense/kernel' of shape \(8, 10\), "
         r"whose dimension 1 \(intermediate units\) is 10",
-    ):
-        get_layout_map(fake_mesh(4), model=encoder)
+        id="model-intermediate-units-indivisible",
+    ),
+]
 
 
-def test_argument_errors():
-    mesh = fake_mesh(2)
-    with pytest.raises(TypeError, match=r"Received: device_mesh=\(1, 2\) of type"):
-        get_layout_map((1, 2))
-    with pytest.raises(ValueError, match="model_parallel_dim_name='tensor'"):
-        get_layout_map(mesh, model_parallel_dim_name="tensor")
-    with pytest.raises(ValueError, match="data_parallel_dim_name='data'"):
-        get_layout_map(mesh, data_parallel_dim_name="data")
-    with pytest.raises(ValueError, match="data_parallel_dim_name='model'"):
-        get_layout_map(mesh, data_parallel_dim_name="model")
-    with pytest.raises(ValueError, match="`model` must be built.*'encoder'"):
-        get_layout_map(mesh, model=keras_attn.TransformerEncoder(8, 2, name="encoder"))
+@pytest.mark.parametrize("kwargs, error, match", LAYOUT_ROWS)
+def test_bad_layout_map_argument(kwargs, error, match):
+    kwargs = {k: v() if callable(v) else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=match):
+        get_layout_map(**{"device_mesh": fake_mesh(2), **kwargs})
 
 
 def test_mesh_with_a_model_axis_only():
@@ -277,11 +327,8 @@ def test_mesh_with_a_model_axis_only():
     layout_map = get_layout_map(
         mesh, model_parallel_dim_name="tensor", data_parallel_dim_name=None
     )
-    assert layout_map["encoder/self_attention/output_kernel"].axes == (
-        "tensor",
-        None,
-        None,
-    )
+    layout = layout_map["encoder/self_attention/attention_output/kernel"]
+    assert layout.axes == ("tensor", None, None)
 
 
 # Subprocesses: training on several devices.

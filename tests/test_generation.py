@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import keras_attn
+from keras_attn import generation
 from keras_attn.generation import generate
 from tests.helpers import random_floats, to_numpy
 
@@ -14,7 +15,9 @@ VOCAB, WIDTH = 13, 16
 def decoder_only_model(num_key_value_heads=None, seed=0):
     keras.utils.set_random_seed(seed)
     ids = keras.Input((None,), dtype="int32", name="ids")
-    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(ids)
+    x = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )(ids)
     x = keras_attn.TransformerDecoder(32, 4, num_key_value_heads=num_key_value_heads)(x)
     x = keras.layers.Dropout(0.1)(x)
     x = keras_attn.TransformerDecoder(32, 4, normalize_first=True)(x)
@@ -26,9 +29,13 @@ def encoder_decoder_model(seed=0):
     keras.utils.set_random_seed(seed)
     source = keras.Input((None,), dtype="int32", name="source")
     target = keras.Input((None,), dtype="int32", name="target")
-    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(source)
+    x = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )(source)
     x = keras_attn.TransformerEncoder(32, 4)(x)
-    y = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(target)
+    y = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )(target)
     y = keras_attn.TransformerDecoder(32, 4, num_key_value_heads=2)(y, x)
     y = keras_attn.TransformerDecoder(32, 4)(y, x)
     return keras.Model([source, target], keras.layers.Dense(VOCAB)(y))
@@ -293,27 +300,121 @@ def test_end_token_stops_and_pads(gpt):
             assert row.tolist() == full.tolist()
 
 
-def test_generate_rejects_what_it_cannot_run(gpt):
-    prompt = np.array([[3, 4]])
-    with pytest.raises(ValueError, match="method"):
-        generate(gpt, prompt, 5, method="nucleus")
-    with pytest.raises(ValueError, match="max_length=1, prompt length=2"):
-        generate(gpt, prompt, 1)
-    with pytest.raises(ValueError, match="one side"):
-        generate(gpt, np.array([[3, 0, 4]]), 5)
-    with pytest.raises(ValueError, match="not a mix"):
-        generate(gpt, np.array([[3, 4, 0], [0, 5, 6]]), 5)
-    with pytest.raises(TypeError, match="num_beams"):
-        generate(gpt, prompt, 5, method="beam", num_beams=2.0)
-    with pytest.raises(ValueError, match="top_p"):
-        generate(gpt, prompt, 5, method="sample", top_p=1.5)
+# --- generate: bad arguments -------------------------------------------------
+# Each row gives `generate(gpt, PROMPT, max_length=6)` one bad argument, which
+# must raise an error naming it before anything changes. A callable value is
+# called with the `gpt` fixture's model.
+
+PROMPT = np.array([[3, 4, 5], [6, 7, 8]], "int32")
+
+
+def conv_head_model():
+    """A decoder whose logits come from a Conv1D, which mixes positions."""
     ids = keras.Input((None,), dtype="int32")
-    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB)(ids)
+    x = keras_attn.SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=WIDTH)(ids)
     x = keras_attn.TransformerDecoder(32, 4)(x)
-    x = keras.layers.Conv1D(VOCAB, 3, padding="same")(x)
-    with pytest.raises(ValueError, match="Conv1D"):
-        generate(keras.Model(ids, x), prompt, 5)
+    return keras.Model(ids, keras.layers.Conv1D(VOCAB, 3, padding="same")(x))
+
+
+def embedding_only_model():
     ids = keras.Input((None,), dtype="int32")
     x = keras.layers.Embedding(VOCAB, WIDTH)(ids)
-    with pytest.raises(ValueError, match="no TransformerDecoder"):
-        generate(keras.Model(ids, keras.layers.Dense(VOCAB)(x)), prompt, 5)
+    return keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+
+
+def generate_row(kwargs, error, match, id=None):
+    def describe(value):
+        if isinstance(value, np.ndarray):
+            return f"array{value.shape}"
+        return (
+            repr(value) if np.isscalar(value) or value is None else type(value).__name__
+        )
+
+    name = id or "-".join(f"{k}={describe(v)}" for k, v in kwargs.items())
+    return pytest.param(kwargs, error, match, id=name)
+
+
+GENERATE_ROWS = [
+    generate_row(
+        {"model": lambda gpt: gpt.layers[2]},
+        ValueError,
+        r"functional keras.Model.*Received: TransformerDecoder",
+        id="model=a-layer",
+    ),
+    generate_row({"model": None}, ValueError, r"Received: NoneType"),
+    generate_row(
+        {"model": lambda gpt: conv_head_model()},
+        ValueError,
+        r"Conv1D",
+        id="model=Conv1D-head",
+    ),
+    generate_row(
+        {"model": lambda gpt: embedding_only_model()},
+        ValueError,
+        r"no TransformerDecoder",
+        id="model=no-decoder",
+    ),
+    generate_row(
+        {"inputs": PROMPT.astype("float32")},
+        ValueError,
+        r"int token ids.*dtype=float32",
+    ),
+    generate_row({"inputs": PROMPT[0]}, ValueError, r"shape=\(3,\)"),
+    generate_row({"inputs": PROMPT[..., None]}, ValueError, r"shape=\(2, 3, 1\)"),
+    generate_row(
+        {"inputs": PROMPT + VOCAB},
+        ValueError,
+        rf"token ids must be in \[0, vocabulary_size={VOCAB}\).*from 16 to 21",
+    ),
+    generate_row({"inputs": -PROMPT}, ValueError, r"from -8 to -3"),
+    generate_row(
+        {"inputs": np.array([[3, 4], [0, 0]])}, ValueError, r"empty rows: \[1\]"
+    ),
+    generate_row({"inputs": np.array([[3, 0, 4]])}, ValueError, r"on one side"),
+    generate_row(
+        {"inputs": np.array([[0, 3, 4], [3, 4, 0]])}, ValueError, r"not a mix"
+    ),
+    generate_row({"inputs": [PROMPT, PROMPT]}, ValueError, r"1 inputs.*Received 2"),
+    generate_row({"inputs": {"foo": PROMPT}}, ValueError, r"\['ids'\].*\['foo'\]"),
+    generate_row({"max_length": 0}, ValueError, r"max_length=0"),
+    generate_row({"max_length": 4.0}, TypeError, r"max_length=4.0 of type float"),
+    generate_row({"max_length": 2}, ValueError, r"max_length=2, prompt length=3"),
+    generate_row({"method": "topk"}, ValueError, r"`method` must be one of.*'topk'"),
+    generate_row({"temperature": 0}, ValueError, r"temperature=0"),
+    generate_row({"temperature": -1.0}, ValueError, r"temperature=-1.0"),
+    generate_row({"temperature": "hot"}, ValueError, r"temperature='hot'"),
+    generate_row({"top_k": 0}, ValueError, r"top_k=0"),
+    generate_row({"top_k": 1.5}, TypeError, r"top_k=1.5 of type float"),
+    generate_row({"top_p": 0}, ValueError, r"top_p=0"),
+    generate_row({"top_p": 1.5}, ValueError, r"top_p=1.5"),
+    generate_row({"top_p": "a"}, ValueError, r"top_p='a'"),
+    generate_row({"seed": -1}, ValueError, r"seed=-1"),
+    generate_row({"seed": 2**31}, ValueError, r"seed=2147483648"),
+    generate_row({"seed": 1.5}, TypeError, r"seed=1.5 of type float"),
+    generate_row({"num_beams": 0}, ValueError, r"num_beams=0"),
+    generate_row({"num_beams": 2.0}, TypeError, r"num_beams=2.0 of type float"),
+    generate_row({"length_penalty": "x"}, TypeError, r"`length_penalty`.*'x'"),
+    generate_row({"length_penalty": float("nan")}, ValueError, r"length_penalty=nan"),
+    generate_row({"end_token_id": -1}, ValueError, r"end_token_id=-1"),
+    generate_row({"end_token_id": 1.0}, TypeError, r"end_token_id=1.0 of type"),
+    generate_row({"end_token_id": VOCAB}, ValueError, rf"end_token_id={VOCAB}\b"),
+    generate_row({"pad_token_id": -1}, ValueError, r"pad_token_id=-1"),
+    generate_row({"pad_token_id": None}, TypeError, r"pad_token_id=None"),
+    generate_row({"pad_token_id": VOCAB}, ValueError, rf"pad_token_id={VOCAB}\b"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", GENERATE_ROWS)
+def test_bad_generate_argument_changes_nothing(gpt, kwargs, error, match):
+    kwargs = {k: v(gpt) if callable(v) else v for k, v in kwargs.items()}
+    call = {"model": gpt, "inputs": PROMPT, "max_length": 6, **kwargs}
+    # The fixture's model, and any other model or layer the row passes.
+    subjects = [gpt] + [m for m in (call["model"],) if m not in (gpt, None)]
+    weights = [[to_numpy(w).copy() for w in m.weights] for m in subjects]
+    compiled = [dict(generation._GENERATORS.get(m, {})) for m in subjects]
+    with pytest.raises(error, match=match):
+        generate(**call)
+    for subject, before, generators in zip(subjects, weights, compiled, strict=True):
+        for old, new in zip(before, subject.weights, strict=True):
+            np.testing.assert_array_equal(old, to_numpy(new))
+        assert dict(generation._GENERATORS.get(subject, {})) == generators

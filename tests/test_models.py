@@ -34,10 +34,14 @@ def translation_model():
     """SinusoidalEmbedding -> 2 encoders; SinusoidalEmbedding -> decoder -> Dense."""
     source = keras.Input((None,), dtype="int32", name="source")
     target = keras.Input((None,), dtype="int32", name="target")
-    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(source)
+    x = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )(source)
     for _ in range(2):
         x = keras_attn.TransformerEncoder(64, 4)(x)
-    y = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB, mask_zero=True)(target)
+    y = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )(target)
     y = keras_attn.TransformerDecoder(64, 4)(y, x)
     logits = keras.layers.Dense(VOCAB)(y)
     return keras.Model([source, target], logits)

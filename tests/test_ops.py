@@ -1,18 +1,19 @@
+"""The functions of keras_attn.ops: the sinusoid, masks, ALiBi, and the one
+attention dispatcher (its table, masks of every rank, empty rows)."""
+
+import keras
 import numpy as np
 import pytest
 
+import keras_attn
 from keras_attn import ops as attn_ops
-from tests.helpers import random_floats, to_numpy
-
-EPS32 = 2.0**-24
-
-
-def reference_encoding(length, dim, max_wavelength=10000.0, start=0):
-    """The paper's formula in float64, straight from its definition."""
-    pos = np.arange(start, start + length, dtype=np.float64)[:, None]
-    i = np.arange(dim)[None, :]
-    angles = pos / np.power(max_wavelength, (2 * (i // 2)) / dim)
-    return np.where(i % 2 == 0, np.sin(angles), np.cos(angles)), angles
+from tests.helpers import (
+    BACKEND,
+    EPS32,
+    random_floats,
+    reference_encoding,
+    to_numpy,
+)
 
 
 @pytest.mark.parametrize(
@@ -51,17 +52,28 @@ def test_causal_mask_with_offset():
     np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
 
 
-def test_merge_attention_masks_shapes_and_logic():
+def test_merge_attention_masks_ands_masks_of_every_rank():
     padding = np.array([[True, False, True]])
     assert attn_ops.merge_attention_masks() is None
-    merged = to_numpy(attn_ops.merge_attention_masks(padding, np.eye(3, dtype=bool)))
+    assert attn_ops.merge_attention_masks(None, None) is None
+    merged = to_numpy(
+        attn_ops.merge_attention_masks(padding[:, None, :], np.eye(3, dtype=bool))
+    )
     assert merged.shape == (1, 1, 3, 3)
     np.testing.assert_array_equal(merged[0, 0], np.eye(3) * [1, 0, 1])
-    only_padding = to_numpy(attn_ops.merge_attention_masks(padding))
-    assert only_padding.shape == (1, 1, 1, 3)
+    heads = np.ones((1, 2, 3, 3), bool)
+    heads[0, 1, 0] = False
+    merged = to_numpy(attn_ops.merge_attention_masks(padding[:, None, :], heads, None))
+    assert merged.shape == (1, 2, 3, 3)
+    np.testing.assert_array_equal(merged[0, 1, 0], [0, 0, 0])
+    np.testing.assert_array_equal(merged[0, 0, 0], [1, 0, 1])
+    with pytest.raises(ValueError, match=r"rank 2 .*Received: mask.shape=\(3,\)"):
+        attn_ops.merge_attention_masks(padding[0])
 
 
 def numpy_attention(q, k, v, mask):
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
     logits = np.where(mask, logits, -np.inf)
     weights = np.exp(logits - logits.max(-1, keepdims=True))
@@ -69,36 +81,106 @@ def numpy_attention(q, k, v, mask):
     return np.einsum("bhts,bshd->bthd", weights, v)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_dot_product_attention_matches_numpy_with_masks(fused):
-    q, k, v = (random_floats(2, 5, 3, 4, seed=s) for s in range(3))
+@pytest.mark.parametrize("flash_attention", [None, False])
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_dot_product_attention_matches_numpy_with_masks(flash_attention, kv_heads):
+    q = random_floats(2, 5, 3, 4, seed=0)
+    k, v = (random_floats(2, 5, kv_heads, 4, seed=s) for s in (1, 2))
     padding = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
     mask = padding[:, None, None, :] & np.tril(np.ones((5, 5), bool))
+    expected = numpy_attention(q, k, v, mask)
+    for padding_mask in (padding[:, None, None, :], padding[:, None, :]):  # ranks 4, 3
+        out = attn_ops.dot_product_attention(
+            q, k, v, mask=padding_mask, is_causal=True, flash_attention=flash_attention
+        )
+        np.testing.assert_allclose(to_numpy(out), expected, atol=1e-5, rtol=1e-5)
+    causal = np.tril(np.ones((5, 5), bool))  # rank 2
     out = attn_ops.dot_product_attention(
-        q, k, v, mask=padding[:, None, None, :], is_causal=True, fused=fused
+        q, k, v, mask=causal, flash_attention=flash_attention
     )
     np.testing.assert_allclose(
-        to_numpy(out), numpy_attention(q, k, v, mask), atol=1e-5, rtol=1e-5
+        to_numpy(out), numpy_attention(q, k, v, causal), atol=1e-5, rtol=1e-5
     )
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_rows_that_attend_to_nothing_give_zeros(fused):
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_rows_that_attend_to_nothing_give_zeros(flash_attention):
     q = random_floats(1, 3, 2, 4)
     mask = np.array([[True, False, True], [False, False, False], [True, True, True]])
     out = to_numpy(
-        attn_ops.dot_product_attention(q, q, q, mask=mask[None, None], fused=fused)
+        attn_ops.dot_product_attention(
+            q, q, q, mask=mask, flash_attention=flash_attention
+        )
     )
     assert np.all(np.isfinite(out))
     np.testing.assert_array_equal(out[0, 1], 0.0)
     assert np.abs(out[0, 0]).sum() > 0
 
 
-def test_explicit_path_needed_for_scores():
+def test_scores_come_from_the_explicit_path():
     q = random_floats(1, 3, 2, 4)
-    with pytest.raises(ValueError, match="fused=False"):
-        attn_ops.dot_product_attention(q, q, q, return_scores=True)
-    out, scores = attn_ops.dot_product_attention(
-        q, q, q, fused=False, return_scores=True
-    )
+    out, scores = attn_ops.dot_product_attention(q, q, q, return_scores=True)
     np.testing.assert_allclose(to_numpy(scores).sum(-1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(out), to_numpy(attn_ops.dot_product_attention(q, q, q)), atol=1e-6
+    )
+
+
+def test_alibi_slopes_are_the_papers():
+    bias = to_numpy(keras_attn.ops.alibi_bias(8, 4, 4))
+    np.testing.assert_allclose(
+        bias[0, :, 3, 0] / -3, 2.0 ** -np.arange(1, 9), rtol=1e-6
+    )
+    assert bias.dtype == np.float32 and bias.shape == (1, 8, 4, 4)
+    keras_hub = pytest.importorskip("keras_hub")
+    for heads in (6, 12):  # not powers of two: the paper's interleaving
+        theirs = keras_hub.layers.AlibiBias()._get_slopes(heads)
+        ours = -to_numpy(keras_attn.ops.alibi_bias(heads, 2, 2))[0, :, 1, 0]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_alibi_softmax_equals_keras_hub_under_a_causal_mask():
+    """keras-hub adds `slope * (j - (S - 1))`, the paper `-slope * (i - j)`:
+    they differ by a per-row constant, which softmax ignores."""
+    keras_hub = pytest.importorskip("keras_hub")
+    logits = random_floats(2, 4, 5, 5)
+    causal = np.tril(np.ones((5, 5), bool))
+    theirs = to_numpy(keras_hub.layers.AlibiBias()(keras.ops.convert_to_tensor(logits)))
+    ours = logits + to_numpy(keras_attn.ops.alibi_bias(4, 5, 5))
+
+    def softmax(x):
+        x = np.where(causal, x, -np.inf)
+        return np.exp(x - x.max(-1, keepdims=True)) / np.exp(
+            x - x.max(-1, keepdims=True)
+        ).sum(-1, keepdims=True)
+
+    np.testing.assert_allclose(softmax(ours), softmax(theirs), atol=1e-6)
+
+
+def test_alibi_with_a_query_offset_is_the_rows_of_the_full_bias():
+    full = to_numpy(keras_attn.ops.alibi_bias(2, 6, 6))
+    step = to_numpy(keras_attn.ops.alibi_bias(2, 1, 6, query_offset=4))
+    np.testing.assert_array_equal(step[:, :, 0], full[:, :, 4])
+
+
+@pytest.mark.parametrize(
+    "kwargs, value_dim, fused",
+    [
+        ({}, 4, BACKEND != "tensorflow"),
+        ({"flash_attention": False}, 4, False),
+        ({"return_scores": True}, 4, False),
+        ({"dropout": lambda weights: weights}, 4, False),
+        ({}, 3, False),  # values of another width
+        ({"heads_major": True}, 4, BACKEND != "tensorflow"),
+    ],
+)
+def test_the_dispatch_table(fused_calls, kwargs, value_dim, fused):
+    q = random_floats(2, 1, 4, 4)
+    k = (
+        random_floats(2, 2, 5, 4)
+        if kwargs.get("heads_major")
+        else random_floats(2, 5, 2, 4)
+    )
+    v = random_floats(*k.shape[:-1], value_dim)
+    keras_attn.ops.dot_product_attention(q, k, v, **kwargs)
+    assert bool(fused_calls) == fused

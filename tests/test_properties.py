@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keras_attn import MultiHeadAttention
-from tests.helpers import BACKEND, to_numpy
-from tests.layers.test_multi_head_attention import numpy_reference
+from tests.helpers import BACKEND, attention_reference, to_numpy
 
 # Key length 1 is a case like any other here.
 pytestmark = pytest.mark.filterwarnings("ignore:You are using a softmax over axis -1")
@@ -29,21 +28,6 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-
-
-def masked_reference(layer, query, value, mask):
-    """`numpy_reference`, where a query row that may attend to no key gives the
-    output bias only (the layer's documented behaviour), not NaN.
-
-    `mask`: bool broadcastable to `(batch, heads, query_length, key_length)`,
-    the same for every head.
-    """
-    with np.errstate(invalid="ignore", divide="ignore"):
-        expected = numpy_reference(layer, query, value, mask)
-    shape = (query.shape[0], 1, query.shape[1], value.shape[1])
-    empty = ~np.broadcast_to(mask, shape).any(-1)[:, 0]  # (B, T)
-    bias = to_numpy(layer.output_bias).astype(np.float64)
-    return np.where(empty[..., None], bias, expected)
 
 
 @st.composite
@@ -111,7 +95,7 @@ def test_multi_head_attention_equals_numpy_reference(case):
     )
     args = (query,) if value is None else (query, value)
     layer.build(query.shape, None if value is None else value.shape)
-    expected = masked_reference(layer, query, args[-1], allowed)
+    expected = attention_reference(layer, query, args[-1], allowed)
 
     fused = to_numpy(layer(*args, **kwargs))  # flash_attention=None
     assert np.all(np.isfinite(fused))

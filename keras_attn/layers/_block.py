@@ -6,13 +6,17 @@ from keras import ops
 from keras_attn.layers._utils import (
     ConfigCheck,
     check_bool,
+    check_float,
     check_positive_float,
     check_positive_int,
     check_rank,
     check_rate,
     check_width,
     clone_initializer,
+    dtype_config,
+    enable_lora,
     get_keras_object,
+    leaf_dtype,
 )
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
 
@@ -23,7 +27,8 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
     Holds the shared arguments and builds the pieces every block has: attention
     sublayers with their layer norms, and the position-wise feed-forward network
     `W_2 activation(W_1 x + b_1) + b_2`. Subclasses write `call` as a flat script
-    of `_residual(x, sublayer)` steps.
+    of `_residual(x, sublayer)` steps. The arguments keras-hub's blocks have
+    come first, in keras-hub's order; keras_attn's own are keyword only.
     """
 
     def __init__(
@@ -33,12 +38,15 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         dropout=0.0,
         activation="relu",
         layer_norm_epsilon=1e-5,
-        normalize_first=False,
-        key_dim=None,
-        num_key_value_heads=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        normalize_first=False,
+        *,
+        key_dim=None,
+        num_key_value_heads=None,
         flash_attention=None,
+        use_gate=False,
+        sliding_window=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -51,6 +59,12 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         self.layer_norm_epsilon = check_positive_float(
             "layer_norm_epsilon", layer_norm_epsilon
         )
+        self.kernel_initializer = get_keras_object(
+            "kernel_initializer", keras.initializers.get, kernel_initializer
+        )
+        self.bias_initializer = get_keras_object(
+            "bias_initializer", keras.initializers.get, bias_initializer
+        )
         self.normalize_first = check_bool("normalize_first", normalize_first)
         self.key_dim = check_positive_int("key_dim", key_dim, allow_none=True)
         self.num_key_value_heads = check_positive_int(
@@ -61,14 +75,19 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 "`num_key_value_heads` must divide `num_heads`. Received: "
                 f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
             )
-        self.kernel_initializer = get_keras_object(
-            "kernel_initializer", keras.initializers.get, kernel_initializer
-        )
-        self.bias_initializer = get_keras_object(
-            "bias_initializer", keras.initializers.get, bias_initializer
-        )
         self.flash_attention = check_bool(
             "flash_attention", flash_attention, allow_none=True
+        )
+        if self.flash_attention and self.dropout > 0:
+            raise ValueError(
+                "`flash_attention=True` needs the fused flash kernel, which "
+                "cannot apply dropout to the attention weights. Received: "
+                f"flash_attention=True, dropout={dropout}. Pass dropout=0.0, or "
+                "flash_attention=None (fused kernels where possible)."
+            )
+        self.use_gate = check_bool("use_gate", use_gate)
+        self.sliding_window = check_positive_int(
+            "sliding_window", sliding_window, allow_none=True
         )
         self.supports_masking = True
 
@@ -85,41 +104,74 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             )
         return width
 
-    def _build_attention(self, name, query_shape, value_shape=None):
-        """An attention sublayer and the layer norm of its residual branch."""
+    def _check_sequence(self, name, tensor, return_attention_scores):
+        """The block's input: a float `(batch, length, width)` of the built width."""
+        self._check_width(name, tensor.shape)
+        check_float(name, tensor)
+        check_bool("return_attention_scores", return_attention_scores)
+        if return_attention_scores and self.flash_attention:
+            raise ValueError(
+                "`return_attention_scores=True` needs the explicit path, and "
+                "this block has `flash_attention=True`, which requires the "
+                "flash kernel. Create the block with flash_attention=None to "
+                "get the scores."
+            )
+
+    def _build_attention(self, name, query_shape, value_shape=None, window=None):
+        """An attention sublayer and the layer norm of its residual branch.
+
+        The block checks the tensors it passes on, so the sublayer does not
+        check them again.
+        """
         width = query_shape[-1]
         attention = MultiHeadAttention(
             num_heads=self.num_heads,
             key_dim=self.key_dim or width // self.num_heads,
-            num_key_value_heads=self.num_key_value_heads,
             dropout=self.dropout,
+            sliding_window=window,
             flash_attention=self.flash_attention,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
+            use_gate=self.use_gate,
+            num_key_value_heads=self.num_key_value_heads,
             dtype=self.dtype_policy,
             name=name,
         )
+        attention._inputs_checked_by_caller = True
         attention.build(query_shape, value_shape)
         return attention, self._build_norm(f"{name}_layer_norm", query_shape)
 
     def _build_norm(self, name, shape):
         norm = keras.layers.LayerNormalization(
-            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
+            epsilon=self.layer_norm_epsilon, dtype=leaf_dtype(self, name), name=name
         )
         norm.build(shape)
         return norm
 
-    def _build_feedforward(self, shape):
-        width = shape[-1]
+    def _build_feedforward(self, shape, norm_first):
+        """The feed-forward sublayers and the blocks' dropout.
+
+        `norm_first`: whether the layer norm is built (so its weights listed)
+        before the two matrices: keras-hub's encoder does, its decoder does
+        not. In keras-hub's order, `set_weights` moves weights between
+        keras-hub's blocks and these.
+        """
+        if norm_first:
+            self.feedforward_layer_norm = self._build_norm(
+                "feedforward_layer_norm", shape
+            )
         self.feedforward_intermediate_dense = self._dense(
             "feedforward_intermediate_dense", self.intermediate_dim, shape
         )
         self.feedforward_output_dense = self._dense(
-            "feedforward_output_dense", width, (*shape[:-1], self.intermediate_dim)
+            "feedforward_output_dense", shape[-1], (*shape[:-1], self.intermediate_dim)
         )
-        self.feedforward_layer_norm = self._build_norm("feedforward_layer_norm", shape)
+        if not norm_first:
+            self.feedforward_layer_norm = self._build_norm(
+                "feedforward_layer_norm", shape
+            )
         self._dropout_layer = keras.layers.Dropout(
-            self.dropout, dtype=self.dtype_policy, name="dropout"
+            self.dropout, dtype=leaf_dtype(self, "dropout"), name="dropout"
         )
 
     def _dense(self, name, units, input_shape):
@@ -127,7 +179,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             units,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
-            dtype=self.dtype_policy,
+            dtype=leaf_dtype(self, name),
             name=name,
         )
         dense.build(input_shape)
@@ -162,6 +214,40 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         x = x + self._dropout_layer(branch, training=training)
         return x if self.normalize_first else norm(x)
 
+    def _attention_layers(self):
+        raise NotImplementedError
+
+    def enable_lora(
+        self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
+    ):
+        """Low-rank adapters (Hu et al. 2021) on every projection; the rest frozen.
+
+        Adapters on the query, key, value, output (and gate) projections of
+        every attention sublayer and on both feed-forward matrices; every other
+        weight (kernels, biases, layer norms) is frozen, so only the adapters
+        train. Saving merges the adapters into the kernels (Keras' behaviour):
+        a reloaded model has the same outputs and no adapters.
+
+        Args:
+            rank: int. Rank of the adapters.
+            lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
+                Defaults to `rank`.
+            a_initializer: initializer of the down-projections. Defaults to
+                `"he_uniform"`.
+            b_initializer: initializer of the up-projections. Defaults to
+                `"zeros"` (so the block starts unchanged).
+
+        Example:
+        >>> encoder = keras_attn.TransformerEncoder(intermediate_dim=16, num_heads=2)
+        >>> _ = encoder(np.zeros((1, 3, 8)))
+        >>> encoder.enable_lora(4)
+        >>> len(encoder.trainable_weights)  # an A and a B for 6 kernels
+        12
+        """
+        targets = [t for a in self._attention_layers() for t in a._lora_targets()]
+        targets += [self.feedforward_intermediate_dense, self.feedforward_output_dense]
+        enable_lora(self, targets, rank, lora_alpha, a_initializer, b_initializer)
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -171,14 +257,17 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 "dropout": self.dropout,
                 "activation": keras.activations.serialize(self.activation),
                 "layer_norm_epsilon": self.layer_norm_epsilon,
-                "normalize_first": self.normalize_first,
-                "key_dim": self.key_dim,
-                "num_key_value_heads": self.num_key_value_heads,
                 "kernel_initializer": keras.initializers.serialize(
                     self.kernel_initializer
                 ),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "normalize_first": self.normalize_first,
+                "key_dim": self.key_dim,
+                "num_key_value_heads": self.num_key_value_heads,
                 "flash_attention": self.flash_attention,
+                "use_gate": self.use_gate,
+                "sliding_window": self.sliding_window,
+                "dtype": dtype_config(self),
             }
         )
         return config

@@ -1,8 +1,10 @@
 """Helpers shared by the layers: argument checks (one message style, raised
-before any state changes), config checks on load and initializer cloning."""
+before any state changes), config checks on load, initializer cloning, the
+`dtype` config entry and LoRA."""
 
 import inspect
 import numbers
+import re
 
 import keras
 from keras import ops
@@ -42,6 +44,30 @@ def check_positive_int(name, value, allow_none=False):
     if value <= 0:
         raise ValueError(f"`{name}` must be a positive int. Received: {name}={value}.")
     return int(value)
+
+
+def check_shape_argument(name, value):
+    """`None`, or a tuple of positive ints from a positive int or a list/tuple."""
+    if value is None:
+        return None
+    dims = (value,) if isinstance(value, numbers.Integral) else value
+    if (
+        isinstance(value, bool)
+        or not isinstance(dims, list | tuple)
+        or not dims
+        or not all(
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in dims
+        )
+    ):
+        raise TypeError(
+            f"`{name}` must be None, an int or a tuple of ints. "
+            f"Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if any(d <= 0 for d in dims):
+        raise ValueError(
+            f"`{name}` must hold positive ints. Received: {name}={value!r}."
+        )
+    return tuple(int(d) for d in dims)
 
 
 def check_rate(name, value):
@@ -131,6 +157,109 @@ def check_index(name, index, length, size):
             f"`{name}` must leave room for the {length} new positions in the "
             f"cache of length {size}: 0 <= {name} <= {size} - {length}. "
             f"Received: {name}={index}."
+        )
+
+
+def dtype_config(layer):
+    """The layer's `dtype` config entry, keeping its sublayers' own policies.
+
+    After `model.quantize(...)`, or with a `DTypePolicyMap` as `dtype`, some
+    sublayers have policies of their own, and `build()` must recreate them so
+    (quantized sublayers have other variables). They are saved, as keras-hub
+    does, in a `DTypePolicyMap`, keyed by each sublayer's path relative to
+    `layer` (`.*/self_attention/query`), so that they match wherever the layer
+    sits after loading.
+    """
+    policy = _resolved_policy(layer)
+    serialized = keras.dtype_policies.serialize(policy)
+    overrides = {}
+    for sublayer in layer._flatten_layers(include_self=False):
+        own = _resolved_policy(sublayer)
+        if keras.dtype_policies.serialize(own) != serialized:
+            relative = sublayer.path.removeprefix(f"{layer.path}/")
+            overrides[f".*/{re.escape(relative)}"] = own
+    if not overrides:
+        return serialized
+    policy_map = keras.dtype_policies.DTypePolicyMap(policy, overrides)
+    return keras.dtype_policies.serialize(policy_map)
+
+
+def leaf_dtype(layer, name):
+    """The dtype policy for `layer`'s Keras sublayer `name`, created in `build`.
+
+    A `DTypePolicyMap` is resolved at the sublayer's path rather than handed
+    down: Keras' `EinsumDense` reads `dtype_policy.quantization_mode` when it
+    saves, which for a layer holding a map is the map's default, and so it
+    would save a quantized kernel without its scale. keras_attn sublayers
+    (attention in the blocks) get the map itself, and resolve it for theirs.
+    """
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[f"{layer.path}/{name}"]
+    return policy
+
+
+def _resolved_policy(layer):
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
+    return policy
+
+
+def enable_lora(layer, targets, rank, lora_alpha, a_initializer, b_initializer):
+    """Keras' LoRA on each of `targets`, then every other weight of `layer` frozen.
+
+    Checked before anything changes: the layer is built, `rank` and
+    `lora_alpha` are valid, and no target has LoRA already or a kernel
+    constraint (Keras refuses both).
+    """
+    if not layer.built:
+        raise ValueError(
+            f"{layer.name} must be built (called once) before `enable_lora`."
+        )
+    rank = check_positive_int("rank", rank)
+    if lora_alpha is not None:
+        lora_alpha = check_positive_float("lora_alpha", lora_alpha)
+    for target in targets:
+        if target.lora_enabled:
+            raise ValueError(
+                f"LoRA is already enabled on {layer.name} ({target.path}). "
+                "It can be enabled once."
+            )
+        constraint = getattr(target, "kernel_constraint", None) or getattr(
+            target, "embeddings_constraint", None
+        )
+        if constraint is not None:
+            raise ValueError(
+                f"LoRA cannot adapt a constrained kernel, and {target.path} has "
+                f"the constraint {constraint}. Create {layer.name} without it."
+            )
+    for target in targets:
+        target.enable_lora(
+            rank,
+            lora_alpha=lora_alpha,
+            a_initializer=a_initializer,
+            b_initializer=b_initializer,
+        )
+    for variable in layer.weights:
+        if not variable.name.startswith("lora_"):
+            variable.trainable = False
+
+
+def check_broadcastable(name, tensor, shape, description):
+    """Raise unless `tensor` is a float tensor broadcastable to `shape`
+    (dims compared where both are known)."""
+    if tensor is None:
+        return
+    check_float(name, tensor)
+    got = tuple(tensor.shape)
+    if len(got) > len(shape) or any(
+        _known(a) and _known(b) and a not in (1, b)
+        for a, b in zip(got[::-1], shape[::-1], strict=False)
+    ):
+        raise ValueError(
+            f"`{name}` must be broadcastable to {description} = "
+            f"{_describe(shape)}. Received: {name}.shape={got}."
         )
 
 

@@ -1,15 +1,16 @@
-"""Multi-head attention with grouped-query heads and a fused or explicit kernel."""
+"""Multi-head attention on Keras' EinsumDense projections, with grouped-query heads."""
 
-import functools
 import math
 
 import keras
 from keras import ops
 
 from keras_attn import ops as attn_ops
+from keras_attn.layers._attention_axes import AttentionAxes, normalize_attention_axes
 from keras_attn.layers._utils import (
     ConfigCheck,
     check_bool,
+    check_broadcastable,
     check_float,
     check_index,
     check_mask,
@@ -17,26 +18,44 @@ from keras_attn.layers._utils import (
     check_rank,
     check_rate,
     check_seed,
+    check_shape_argument,
     check_width,
     clone_initializer,
+    dtype_config,
+    enable_lora,
     get_keras_object,
+    leaf_dtype,
 )
 
 
-def _matrix_initializer(initializer, fan_in_axes):
-    """Initialize a `(..., ...)` kernel as the 2-D matrix it multiplies as.
+@keras.saving.register_keras_serializable(package="keras_attn")
+class MatrixInitializer(keras.initializers.Initializer):
+    """Draws a projection kernel as the 2-D matrix it multiplies as, then reshapes.
 
-    Keras' variance-scaling initializers read the fans of rank-3 kernels as if
-    they were convolutions; attention kernels are matrices `(in, heads * dim)`
-    or `(heads * dim, out)`, so draw them as such and reshape.
+    Keras' variance-scaling initializers read the fans of a rank-3 kernel
+    `(width, heads, dim)` as if it were a convolution; attention kernels are
+    matrices `(width, heads * dim)` or `(heads * dim, width)`, so they are
+    drawn as such.
+
+    Args:
+        initializer: the Keras initializer of the matrix.
+        fan_in_axes: int. How many leading kernel axes are the matrix's rows.
     """
 
-    def initialize(shape, dtype=None):
-        rows = math.prod(shape[:fan_in_axes])
-        matrix = initializer((rows, math.prod(shape) // rows), dtype=dtype)
+    def __init__(self, initializer, fan_in_axes=1):
+        self.initializer = keras.initializers.get(initializer)
+        self.fan_in_axes = fan_in_axes
+
+    def __call__(self, shape, dtype=None):
+        rows = math.prod(shape[: self.fan_in_axes])
+        matrix = self.initializer((rows, math.prod(shape) // rows), dtype=dtype)
         return ops.reshape(matrix, shape)
 
-    return initialize
+    def get_config(self):
+        return {
+            "initializer": keras.initializers.serialize(self.initializer),
+            "fan_in_axes": self.fan_in_axes,
+        }
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -44,55 +63,78 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     """Multi-head attention, softmax(QK^T / sqrt(d_k)) V per head, then W_O.
 
     As in Vaswani et al. (2017), with grouped-query attention
-    (`num_key_value_heads`, Ainslie et al. 2023). The attention itself runs in
-    `keras.ops.dot_product_attention` (fused and flash kernels where the backend
-    has them) whenever it can and they pay off, and in an explicit
-    float32-softmax path when the weights are needed (dropout in training,
-    `return_attention_scores=True`), with `flash_attention=False`, and on a
-    CPU where it is faster (measured in `benchmarks/`): under TensorFlow, and
-    in training under JAX. Both paths give the same numbers.
+    (`num_key_value_heads`, Ainslie et al. 2023), a drop-in superset of
+    `keras.layers.MultiHeadAttention`: the same constructor arguments in the
+    same order, the same sublayers (`EinsumDense` `query`, `key`, `gate`,
+    `value` and `attention_output`, exposed as `query_dense`, ...,
+    `output_dense`) and so the same weights, so that `set_weights` moves
+    weights between the two, and `model.quantize(...)`, `enable_lora` and
+    `DTypePolicyMap` reach every projection. One dispatcher
+    (`keras_attn.ops.dot_product_attention`) runs the attention in the fused
+    `keras.ops.dot_product_attention` (flash kernels where the backend has
+    them) or in an explicit float32-softmax path; both give the same numbers.
 
     Masks: a key may be attended to where the key/value padding mask (from the
-    inputs' Keras masks or `value_mask`/`key_mask`), `attention_mask` and the
-    causal mask all allow it. A query row that may attend to nothing outputs
-    zeros before the output projection (so the output is the output bias). The
-    query's padding mask does not mask anything: padded query positions are
-    computed like the others (as in `torch.nn.MultiheadAttention`) and the output
-    carries the query's Keras mask.
+    inputs' Keras masks or `value_mask`/`key_mask`), `attention_mask`, the
+    causal mask and the sliding window all allow it. A query row that may
+    attend to nothing outputs zeros before the output projection (so the output
+    is the output bias). Differences from Keras' layer, on purpose:
 
-    Weights: `query_kernel (query_width, num_heads, key_dim)`,
-    `key_kernel (key_width, num_key_value_heads, key_dim)`,
-    `value_kernel (value_width, num_key_value_heads, value_dim)`,
-    `output_kernel (num_heads, value_dim, output_dim)` and, with `use_bias`, the
-    matching `*_bias` vectors.
+    - The query's padding mask masks nothing: padded query positions are
+      computed like the others (as in `torch.nn.MultiheadAttention`) and the
+      output carries the query's Keras mask. Keras also masks those rows.
+    - `key_dim` defaults to the query width // `num_heads`, and `value` to
+      `query` (self-attention).
+    - Kernels are initialized with the fans of the matrices they are
+      (`MatrixInitializer`), not those Keras reads from a rank-3 shape.
+    - `activity_regularizer` applies to the layer's output (Keras applies it
+      to each projection).
+    - Bad arguments raise `TypeError` for wrong types, `ValueError` for wrong
+      values.
 
     Args:
         num_heads: int. Number of query heads.
         key_dim: int. Per-head width of queries and keys. Defaults to the query
             width // `num_heads` (which must then divide it).
         value_dim: int. Per-head width of values. Defaults to `key_dim`.
-        num_key_value_heads: int. Number of key/value heads for grouped-query
-            attention; must divide `num_heads`. `1` is multi-query attention.
-            Defaults to `num_heads`.
         dropout: float in [0, 1). Dropout on the attention weights in training.
             Defaults to `0.0`.
         use_bias: bool. Whether the projections have biases. Defaults to `True`.
-        output_dim: int. Width of the output. Defaults to the query width.
-        flash_attention: `None` (use fused kernels where they pay off), `True`
-            (require the backend's flash kernel; errors where there is none) or
-            `False` (always the explicit path). Defaults to `None`.
+        output_shape: int or tuple of ints. Shape of each output position.
+            Defaults to the query width.
+        attention_axes: int or tuple of ints. The axes of inputs of rank >= 3
+            that attention runs over (the others act as batch axes). Defaults
+            to every axis between the batch and the feature axis.
+        sliding_window: int >= 1. Query `i` attends only to keys `j` with
+            `|i - j| < sliding_window`; with `use_causal_mask=True` this is
+            the causal sliding window of Mistral. Defaults to `None`.
+        flash_attention: `None` (fused kernels where they compute the same),
+            `True` (require the backend's flash kernel: raises with `dropout`,
+            with `return_attention_scores=True`, and where the backend has no
+            flash kernel) or `False` (always the explicit path). Defaults to
+            `None`.
         kernel_initializer: initializer of the kernels. Defaults to
             `"glorot_uniform"` (fans of the 2-D projection matrices).
         bias_initializer: initializer of the biases. Defaults to `"zeros"`.
         kernel_regularizer: optional regularizer of the kernels.
         bias_regularizer: optional regularizer of the biases.
+        activity_regularizer: optional regularizer of the output.
         kernel_constraint: optional constraint of the kernels.
         bias_constraint: optional constraint of the biases.
+        use_gate: bool. Multiply the attention output by a sigmoid gate
+            projected from the query (Qiu et al. 2025, arXiv 2505.06708), as
+            Keras does. Defaults to `False`.
         seed: optional int. Seed of the attention dropout.
+        num_key_value_heads: int, keyword only. Key/value heads for
+            grouped-query attention; must divide `num_heads`. `1` is
+            multi-query attention. Defaults to `num_heads`.
+        output_dim: int, keyword only. The same as an int `output_shape` (the
+            name of keras_attn 0.1).
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
-        query: float tensor `(batch, query_length, query_width)`.
+        query: float tensor `(batch, query_length, query_width)`, or of higher
+            rank with `attention_axes`.
         value: optional float tensor `(batch, key_length, value_width)`.
             Defaults to `query` (self-attention).
         key: optional float tensor `(batch, key_length, key_width)`. Defaults to
@@ -103,21 +145,36 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             attended to; filled in by Keras from the value's Keras mask.
         key_mask: optional bool `(batch, key_length)`, combined with `value_mask`.
         attention_mask: optional bool `(batch, query_length, key_length)` or
-            broadcastable (rank 2 to 4), True where attention is allowed.
-        use_causal_mask: bool. Query `i` may only attend to keys `j <= i`.
-            Defaults to `False`.
+            broadcastable (rank 2 to 4), True where attention is allowed. For
+            inputs of higher rank, `(batch, *batch axes, *query attention axes,
+            *key attention axes)`.
         return_attention_scores: bool. Also return the attention weights.
             Defaults to `False`.
         training: bool. Whether dropout is active.
+        use_causal_mask: bool. Query `i` may only attend to keys `j <= i` (over
+            the flattened attention axes). Defaults to `False`.
+        attention_bias: optional float tensor broadcastable to
+            `(batch, num_heads, query_length, key_length)`, added to the scaled
+            logits (ALiBi: `keras_attn.ops.alibi_bias`; T5 relative biases).
+            Inputs of rank 3 only.
+        cache: optional key/value cache `(batch, 2, num_key_value_heads,
+            cache_length, key_dim)` (see `get_empty_cache`, `compute_cache`).
+            Inputs of rank 3 only.
+        cache_update_index: optional int or scalar int tensor: write the new
+            keys and values into `cache` from this position; the queries sit
+            there too. Without it, `cache` holds precomputed keys and values.
         mask: filled in by Keras with the query's Keras mask when the query is
             the only tensor argument (self-attention); in self-attention it masks
             the keys as `value_mask` does.
 
     Returns:
-        Tensor `(batch, query_length, output_dim)`, carrying the query's Keras
-        mask; with `return_attention_scores=True`, a tuple `(output, scores)`
+        `output` `(batch, query_length, *output_shape)`, carrying the query's
+        Keras mask; with `return_attention_scores=True`, `(output, scores)`,
         where `scores` `(batch, num_heads, query_length, key_length)` are the
-        softmax weights (before dropout) the output was computed with.
+        softmax weights before dropout (for higher ranks, `(batch, *batch axes,
+        num_heads, *query attention axes, *key attention axes)`); with a
+        `cache`, the updated cache is appended: `(output, cache)` or
+        `(output, scores, cache)`.
 
     Example:
     >>> attention = keras_attn.MultiHeadAttention(num_heads=2)
@@ -126,6 +183,12 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     ...                            return_attention_scores=True)
     >>> tuple(output.shape), tuple(scores.shape)
     ((3, 5, 8), (3, 2, 5, 5))
+    >>> mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    >>> _ = mha(x, x)
+    >>> attention.set_weights(mha.get_weights())  # the same weights
+    >>> ours, theirs = (keras.ops.convert_to_numpy(l(x, x)) for l in (attention, mha))
+    >>> bool(np.allclose(ours, theirs, atol=1e-6))
+    True
     """
 
     def __init__(
@@ -133,35 +196,38 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         num_heads,
         key_dim=None,
         value_dim=None,
-        num_key_value_heads=None,
         dropout=0.0,
         use_bias=True,
-        output_dim=None,
+        output_shape=None,
+        attention_axes=None,
+        sliding_window=None,
         flash_attention=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         kernel_regularizer=None,
         bias_regularizer=None,
+        activity_regularizer=None,
         kernel_constraint=None,
         bias_constraint=None,
+        use_gate=False,
         seed=None,
+        *,
+        num_key_value_heads=None,
+        output_dim=None,
         **kwargs,
     ):
-        super().__init__(**kwargs)
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.key_dim = check_positive_int("key_dim", key_dim, allow_none=True)
         self.value_dim = check_positive_int("value_dim", value_dim, allow_none=True)
-        self.num_key_value_heads = check_positive_int(
-            "num_key_value_heads", num_key_value_heads, allow_none=True
-        )
-        if self.num_key_value_heads and num_heads % self.num_key_value_heads:
-            raise ValueError(
-                "`num_key_value_heads` must divide `num_heads`. Received: "
-                f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
-            )
         self.dropout = check_rate("dropout", dropout)
         self.use_bias = check_bool("use_bias", use_bias)
-        self.output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
+        # As in Keras: a public `output_shape` would shadow what `summary()` shows.
+        self._output_shape = _output_shape(output_shape, output_dim)
+        self.attention_axes = normalize_attention_axes(attention_axes)
+        self.sliding_window = check_positive_int(
+            "sliding_window", sliding_window, allow_none=True
+        )
         self.flash_attention = check_bool(
             "flash_attention", flash_attention, allow_none=True
         )
@@ -183,21 +249,35 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         self.bias_constraint = get_keras_object(
             "bias_constraint", keras.constraints.get, bias_constraint
         )
+        self.use_gate = check_bool("use_gate", use_gate)
         self.seed = check_seed(seed)
+        self.num_key_value_heads = check_positive_int(
+            "num_key_value_heads", num_key_value_heads, allow_none=True
+        )
+        if self.num_key_value_heads and num_heads % self.num_key_value_heads:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_heads`. Received: "
+                f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
+            )
+        if self.flash_attention and self.dropout > 0:
+            raise ValueError(
+                "`flash_attention=True` needs the fused flash kernel, which "
+                "cannot apply dropout to the attention weights. Received: "
+                f"flash_attention=True, dropout={dropout}. Pass dropout=0.0, or "
+                "flash_attention=None (fused kernels where possible)."
+            )
         self.supports_masking = True
+        # Set by a block that checks the inputs it passes on (each tensor is
+        # checked once, in the layer the user called).
+        self._inputs_checked_by_caller = False
+
+    # --- Building -------------------------------------------------------------
 
     def build(self, query_shape, value_shape=None, key_shape=None):
         value_shape = query_shape if value_shape is None else value_shape
         key_shape = value_shape if key_shape is None else key_shape
-        for name, shape in (("query", query_shape), ("value", value_shape)):
-            check_rank(name, shape, 3, "(batch, length, width)")
-        check_rank("key", key_shape, 3, "(batch, length, width)")
+        self._axes = self._check_shapes(query_shape, value_shape, key_shape)
         query_width = query_shape[-1]
-        if query_width is None:
-            raise ValueError(
-                "The query width (last dimension) must be known. "
-                f"Received: query_shape={tuple(query_shape)}."
-            )
         if self.key_dim is None and query_width % self.num_heads:
             raise ValueError(
                 "`num_heads` must divide the query width when `key_dim` is not "
@@ -205,48 +285,126 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 f"query width={query_width}. Pass `key_dim` explicitly or choose "
                 "a divisor of the width."
             )
+        self._widths = {
+            "query": query_width,
+            "key": key_shape[-1],
+            "value": value_shape[-1],
+        }
         self._head_dim = self.key_dim or query_width // self.num_heads
         self._value_head_dim = self.value_dim or self._head_dim
         self._kv_heads = self.num_key_value_heads or self.num_heads
-        self._output_width = self.output_dim or query_width
         heads, kv_heads = self.num_heads, self._kv_heads
-        self.query_kernel, self.query_bias = self._projection(
-            "query", (query_width, heads, self._head_dim)
+        # Keras' order (query, key, gate, value, output): the same weight list.
+        self.query_dense = self._projection("query", query_width, heads, self._head_dim)
+        self.key_dense = self._projection(
+            "key", key_shape[-1], kv_heads, self._head_dim
         )
-        self.key_kernel, self.key_bias = self._projection(
-            "key", (key_shape[-1], kv_heads, self._head_dim)
-        )
-        self.value_kernel, self.value_bias = self._projection(
-            "value", (value_shape[-1], kv_heads, self._value_head_dim)
-        )
-        self.output_kernel, self.output_bias = self._projection(
-            "output", (heads, self._value_head_dim, self._output_width), fan_in_axes=2
-        )
-        if self.dropout > 0:
-            self._attention_dropout = keras.layers.Dropout(
-                self.dropout, seed=self.seed, dtype=self.dtype_policy, name="dropout"
+        self.gate_dense = None
+        if self.use_gate:
+            self.gate_dense = self._projection(
+                "gate", query_width, heads, self._value_head_dim, "sigmoid"
             )
+        self.value_dense = self._projection(
+            "value", value_shape[-1], kv_heads, self._value_head_dim
+        )
+        self.output_dense = self._output_projection(query_width)
+        self._attention_dropout = keras.layers.Dropout(
+            self.dropout,
+            seed=self.seed,
+            dtype=leaf_dtype(self, "dropout"),
+            name="dropout",
+        )
         self.built = True
 
-    def _projection(self, name, kernel_shape, fan_in_axes=1):
-        initializer = clone_initializer(self.kernel_initializer)
-        kernel = self.add_weight(
-            name=f"{name}_kernel",
-            shape=kernel_shape,
-            initializer=_matrix_initializer(initializer, fan_in_axes),
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
+    def _check_shapes(self, query_shape, value_shape, key_shape):
+        """Raise unless the shapes fit together; return their `AttentionAxes`."""
+        rank = len(query_shape)
+        if rank < 3:
+            raise ValueError(
+                "`query` must have rank 3 or more, (batch, length, width) or "
+                "(batch, *axes, width). "
+                f"Received: query.shape={tuple(query_shape)}."
+            )
+        for name, shape in (("value", value_shape), ("key", key_shape)):
+            check_rank(name, shape, rank, "the rank of `query`")
+        if any(
+            _differ(a, b)
+            for a, b in zip(value_shape[1:-1], key_shape[1:-1], strict=True)
+        ):
+            raise ValueError(
+                "All dimensions of `value` and `key`, except the last one, must "
+                f"be equal. Received: value_shape={tuple(value_shape)}, "
+                f"key_shape={tuple(key_shape)}."
+            )
+        for name, shape in (
+            ("query", query_shape),
+            ("value", value_shape),
+            ("key", key_shape),
+        ):
+            if shape[-1] is None:
+                raise ValueError(
+                    f"The {name} width (last dimension) must be known. "
+                    f"Received: {name}_shape={tuple(shape)}."
+                )
+        axes = AttentionAxes(self.attention_axes, rank)
+        if any(_differ(query_shape[a], value_shape[a]) for a in axes.batch):
+            raise ValueError(
+                "`query` and `value` must be equal on the axes that attention "
+                f"does not run over, {list(axes.batch)}. Received: "
+                f"query_shape={tuple(query_shape)}, value_shape={tuple(value_shape)}."
+            )
+        return axes
+
+    def _sublayer_kwargs(self, name):
+        return dict(
+            kernel_initializer=MatrixInitializer(
+                clone_initializer(self.kernel_initializer),
+                fan_in_axes=2 if name == "attention_output" else 1,
+            ),
+            bias_initializer=clone_initializer(self.bias_initializer),
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=leaf_dtype(self, name),
+            name=name,
         )
-        if not self.use_bias:
-            return kernel, None
-        bias = self.add_weight(
-            name=f"{name}_bias",
-            shape=kernel_shape[fan_in_axes:],
-            initializer=clone_initializer(self.bias_initializer),
-            regularizer=self.bias_regularizer,
-            constraint=self.bias_constraint,
+
+    def _projection(self, name, width, heads, dim, activation=None):
+        """`EinsumDense` `(B, T, width)` -> `(B, T, heads, dim)`.
+
+        (The letters sort the contracted axes in memory order: `jnp.einsum`
+        orders them alphabetically, and any other order makes XLA transpose
+        the kernels and their gradients.)
+        """
+        dense = keras.layers.EinsumDense(
+            "abc,cde->abde",
+            output_shape=(None, heads, dim),
+            bias_axes="de" if self.use_bias else None,
+            activation=activation,
+            **self._sublayer_kwargs(name),
         )
-        return kernel, bias
+        # Position-wise: a padding mask holds for the outputs as for the inputs
+        # (and Keras warns that a masked input would lose its mask otherwise).
+        dense.supports_masking = True
+        dense.build((None, None, width))
+        return dense
+
+    def _output_projection(self, query_width):
+        """`EinsumDense` W_O: `(B, T, H, Dv)` -> `(B, T, *output_shape)`."""
+        output_shape = self._output_shape or (query_width,)
+        letters = "efghijklmnopqrstuvwxyz"[: len(output_shape)]
+        dense = keras.layers.EinsumDense(
+            f"abcd,cd{letters}->ab{letters}",
+            output_shape=(None, *output_shape),
+            bias_axes=letters if self.use_bias else None,
+            **self._sublayer_kwargs("attention_output"),
+        )
+        dense.supports_masking = True  # position-wise, as the projections
+        dense.build((None, None, self.num_heads, self._value_head_dim))
+        return dense
+
+    # --- The call -------------------------------------------------------------
 
     def call(
         self,
@@ -257,111 +415,129 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         value_mask=None,
         key_mask=None,
         attention_mask=None,
-        use_causal_mask=False,
         return_attention_scores=False,
         training=None,
+        use_causal_mask=False,
+        attention_bias=None,
         cache=None,
         cache_update_index=None,
         mask=None,
     ):
-        self_attention = value is None
-        value = query if value is None else value
-        key = value if key is None else key
-        if self_attention and value_mask is None and cache is None:
-            value_mask = query_mask if query_mask is not None else mask
-        self._check_call(
-            query,
-            value,
-            key,
-            value_mask,
-            key_mask,
-            attention_mask,
-            cache,
-            cache_update_index,
-            query_mask=query_mask,
-            mask=mask,
-            use_causal_mask=use_causal_mask,
-            return_attention_scores=return_attention_scores,
+        value, key, value_mask = self._resolve_inputs(
+            query, value, key, value_mask, query_mask, mask, cache
         )
-        # Separate Q, K and V matmuls: a fused QKV projection (one matmul on the
-        # concatenated kernels) measured no faster on any backend's CPU, and
-        # under ModelParallel its concatenation gathers the sharded kernels.
-        q = self._project_heads(query, self.query_kernel, self.query_bias)
-        k, v, cache = self._keys_and_values(key, value, cache, cache_update_index)
-        attention_mask = attn_ops.merge_attention_masks(
-            _merge_padding(value_mask, key_mask), attention_mask
-        )
-        if cache_update_index is not None:
-            # The keys are the cache's positions; query i sits at index + i.
-            attention_mask = _and(
-                attention_mask,
-                _cache_visibility(q, k, cache_update_index, use_causal_mask),
-            )
-            use_causal_mask = False
-        explicit = (
-            return_attention_scores
-            or self.flash_attention is False
-            or (bool(training) and self.dropout > 0)
-            or (self.flash_attention is None and not _fused_kernels_pay_off(training))
-        )
-        heads_major = cache is not None and self.flash_attention is not True
-        if heads_major and (explicit or not _on_accelerator(keras.config.backend())):
-            # Read the heads-major cache in place (on a CPU the fused kernels
-            # would take a transposed copy of it at every step).
-            result = attn_ops._heads_major_attention(
-                q,
-                k,
-                v,
-                mask=attention_mask,
-                is_causal=use_causal_mask,
-                dropout=self._dropout_fn(training),
-                return_scores=return_attention_scores,
-            )
-        else:
-            if cache is not None:  # The fused kernels take `(B, S, K, D)`.
-                k, v = (ops.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-            result = self._attention(
-                q, k, v, attention_mask, use_causal_mask, explicit, training,
-                return_attention_scores,
+        if not self._inputs_checked_by_caller:
+            self._check_call(
+                query, value, key, query_mask, value_mask, key_mask, attention_mask,
+                attention_bias, cache, cache_update_index, mask,
+                use_causal_mask, return_attention_scores,
             )  # fmt: skip
+        fold = self._axes.fold  # inputs of rank > 3 become sequences
+        q = self.query_dense(fold(query))  # (B, T, H, D)
+        k, v, cache = self._keys_and_values(
+            fold(key), fold(value), cache, cache_update_index
+        )  # (B, S, K, D), or (B, K, S, D) from a cache
+        lengths = ops.shape(q)[1], ops.shape(k)[1 if cache is None else 2]
+        mask, causal = self._attention_mask(
+            query, key, lengths, value_mask, key_mask, attention_mask,
+            use_causal_mask, cache_update_index,
+        )  # fmt: skip
+        result = attn_ops.dot_product_attention(
+            q, k, v,
+            mask=mask,
+            bias=attention_bias,
+            is_causal=causal,
+            flash_attention=self.flash_attention,
+            dropout=self._attention_dropout if training and self.dropout else None,
+            return_scores=return_attention_scores,
+            heads_major=cache is not None,
+        )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
-        outputs = (self._output_projection(context),)
-        outputs += (scores,) if return_attention_scores else ()
+        if self.use_gate:
+            context = context * self.gate_dense(fold(query))
+        output = self._axes.unfold(
+            self.output_dense(context), query, len(self._output_shape or (1,))
+        )
+        if scores is not None:
+            scores = self._axes.unfold_scores(scores, query, key)
+        outputs = (output,) + ((scores,) if return_attention_scores else ())
         outputs += (cache,) if cache is not None else ()
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _attention(
-        self, q, k, v, mask, causal, explicit, training, return_attention_scores
-    ):
-        return attn_ops.dot_product_attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            is_causal=causal,
-            fused=not explicit,
-            flash_attention=self.flash_attention,
-            dropout=self._dropout_fn(training) if explicit else None,
-            return_scores=return_attention_scores,
-        )
+    @staticmethod
+    def _resolve_inputs(query, value, key, value_mask, query_mask, mask, cache):
+        """`value` and `key` default to the query; in self-attention the
+        query's padding mask masks the keys (unless they come from a cache)."""
+        if value is None:
+            value = query
+            if value_mask is None and cache is None:
+                value_mask = query_mask if query_mask is not None else mask
+        return value, value if key is None else key, value_mask
 
     def _keys_and_values(self, key, value, cache, cache_update_index):
-        """Keys and values, read from or written to a cache.
+        """Projected keys and values, read from or written to a cache.
 
         `key` and `value` are the inputs `(B, S, width)`. Returns them projected,
         `(B, S, K, D)` without a cache, heads-major `(B, K, S, D)` from a cache
         `(B, 2, K, S, D)`.
         """
-        if cache is not None and cache_update_index is None:
-            return cache[:, 0], cache[:, 1], cache  # precomputed, e.g. the encoder's
-        key = self._project_heads(key, self.key_kernel, self.key_bias)
-        value = self._project_heads(value, self.value_kernel, self.value_bias)
-        if cache is None:
-            return key, value, None
-        update = ops.transpose(ops.stack([key, value], axis=1), (0, 1, 3, 2, 4))
-        start = [0, 0, 0, ops.cast(cache_update_index, "int32"), 0]
-        cache = ops.slice_update(cache, start, ops.cast(update, cache.dtype))
-        return cache[:, 0], cache[:, 1], cache
+        if cache is None or cache_update_index is not None:
+            k, v = self.key_dense(key), self.value_dense(value)
+            if cache is None:
+                return k, v, None
+            update = ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
+            start = [0, 0, 0, ops.cast(cache_update_index, "int32"), 0]
+            cache = ops.slice_update(cache, start, ops.cast(update, cache.dtype))
+        dtype = self.compute_dtype
+        return ops.cast(cache[:, 0], dtype), ops.cast(cache[:, 1], dtype), cache
+
+    def _attention_mask(
+        self,
+        query,
+        key,
+        lengths,
+        value_mask,
+        key_mask,
+        attention_mask,
+        use_causal_mask,
+        cache_update_index,
+    ):
+        """The merged boolean mask (or `None`), and whether the causal mask is
+        left to the kernel (`is_causal`, the fused kernels' fast path).
+
+        `query` and `key` are the inputs; `lengths` counts the (folded) queries
+        and the keys (the cache's positions with a cache).
+        """
+        fold = self._axes.fold
+        padding = [
+            ops.expand_dims(fold(ops.cast(m, "bool"), trailing=0), 1)  # (B, 1, S)
+            for m in (value_mask, key_mask)
+            if m is not None
+        ]
+        attention_mask = self._axes.fold_attention_mask(attention_mask, query, key)
+        query_length, key_length = lengths
+        offset, positions = 0, []
+        if cache_update_index is not None:  # queries sit at index, index + 1, ...
+            offset = cache_update_index
+            if use_causal_mask:
+                positions.append(attn_ops.causal_mask(query_length, key_length, offset))
+            else:  # every key written so far
+                written = (
+                    ops.arange(0, key_length, dtype="int32")
+                    < offset + ops.shape(key)[1]
+                )
+                positions.append(ops.expand_dims(written, 0))
+            use_causal_mask = False
+        if self.sliding_window is not None:
+            positions.append(
+                attn_ops.sliding_window_mask(
+                    query_length, key_length, self.sliding_window, offset
+                )
+            )
+        mask = attn_ops.merge_attention_masks(*padding, attention_mask, *positions)
+        return mask, use_causal_mask
+
+    # --- Caches ---------------------------------------------------------------
 
     def compute_cache(self, value, key=None):
         """Project `value` (and `key`) once into a key/value cache.
@@ -391,14 +567,15 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         self._check_cacheable()
         value = ops.cast(value, self.compute_dtype)
         key = value if key is None else ops.cast(key, self.compute_dtype)
-        for name, tensor, kernel in (
-            ("value", value, self.value_kernel),
-            ("key", key, self.key_kernel),
-        ):
+        for name, tensor in (("value", value), ("key", key)):
             check_rank(name, tensor.shape, 3, "(batch, length, width)")
-            check_width(name, tensor.shape, kernel.shape[0])
-        k = self._project_heads(key, self.key_kernel, self.key_bias)
-        v = self._project_heads(value, self.value_kernel, self.value_bias)
+            check_width(name, tensor.shape, self._widths[name])
+        return self._project_cache(value, key)
+
+    def _project_cache(self, value, key=None):
+        """`compute_cache` of inputs already checked by the caller."""
+        key = value if key is None else key
+        k, v = self.key_dense(key), self.value_dense(value)  # (B, S, K, D)
         return ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
 
     def get_empty_cache(self, batch_size, max_length, dtype=None):
@@ -446,96 +623,198 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 "`value_dim == key_dim`. Received: "
                 f"key_dim={self._head_dim}, value_dim={self._value_head_dim}."
             )
+        if self._axes.rank != 3:
+            raise ValueError(
+                "Key/value caches need inputs of rank 3, (batch, length, width). "
+                f"{self.name} was built for inputs of rank {self._axes.rank}."
+            )
 
-    def _project_heads(self, inputs, kernel, bias):
-        """`(B, T, width) @ (width, heads, dim)` -> `(B, T, heads, dim)`.
+    # --- Keras machinery ------------------------------------------------------
 
-        (One einsum. The letters are chosen so that the contracted axes sort
-        in memory order: `jnp.einsum` orders them alphabetically, and any
-        other order makes XLA transpose the kernels and their gradients.)
+    def enable_lora(
+        self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
+    ):
+        """Low-rank adapters (Hu et al. 2021) on every projection; the rest frozen.
+
+        Calls `enable_lora` of the `query`, `key`, `value`, `attention_output`
+        (and `gate`) `EinsumDense` sublayers, then freezes every weight that is
+        not an adapter (the kernels, as Keras does, and the biases): only the
+        adapters train. Saving merges the adapters into the kernels (Keras'
+        behaviour), so a reloaded model has the same outputs and no adapters;
+        call `enable_lora` again to go on fine-tuning.
+
+        Args:
+            rank: int. Rank of the adapters.
+            lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
+                Defaults to `rank`.
+            a_initializer: initializer of the down-projections. Defaults to
+                `"he_uniform"`.
+            b_initializer: initializer of the up-projections. Defaults to
+                `"zeros"` (so the layer starts unchanged).
+
+        Example:
+        >>> attention = keras_attn.MultiHeadAttention(num_heads=2)
+        >>> _ = attention(np.zeros((1, 3, 8)))
+        >>> attention.enable_lora(2)
+        >>> sorted({w.path.split("/")[-1] for w in attention.trainable_weights})
+        ['lora_kernel_a', 'lora_kernel_b']
         """
-        kernel = ops.cast(kernel, inputs.dtype)  # a no-op inside `__call__`
-        projected = ops.einsum("abc,cde->abde", inputs, kernel)
-        if bias is not None:
-            projected = projected + ops.cast(bias, inputs.dtype)
-        return projected
+        enable_lora(
+            self, self._lora_targets(), rank, lora_alpha, a_initializer, b_initializer
+        )
 
-    def _output_projection(self, context):
-        """`(B, T, H, Dv)` -> `(B, T, output_dim)` through W_O."""
-        output = ops.einsum("abcd,cde->abe", context, self.output_kernel)
-        return output if self.output_bias is None else output + self.output_bias
+    def _lora_targets(self):
+        projections = (self.query_dense, self.key_dense, self.gate_dense)
+        projections += (self.value_dense, self.output_dense)
+        return [p for p in projections if p is not None]
 
-    def _dropout_fn(self, training):
-        if self.dropout == 0:
-            return None
-        return lambda weights: self._attention_dropout(weights, training=training)
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        value_shape = query_shape if value_shape is None else value_shape
+        key_shape = value_shape if key_shape is None else key_shape
+        self._check_shapes(query_shape, value_shape, key_shape)
+        return (*query_shape[:-1], *(self._output_shape or query_shape[-1:]))
+
+    def compute_output_spec(
+        self,
+        query,
+        value=None,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        attention_bias=None,
+        cache=None,
+        cache_update_index=None,
+        mask=None,
+    ):
+        value, key, value_mask = self._resolve_inputs(
+            query, value, key, value_mask, query_mask, mask, cache
+        )
+        if self.built and not self._inputs_checked_by_caller:
+            self._check_call(
+                query, value, key, query_mask, value_mask, key_mask, attention_mask,
+                attention_bias, cache, cache_update_index, mask,
+                use_causal_mask, return_attention_scores,
+            )  # fmt: skip
+        dtype = self.compute_dtype
+        shape = self.compute_output_shape(query.shape, value.shape, key.shape)
+        outputs = (keras.KerasTensor(shape, dtype=dtype),)
+        if return_attention_scores:
+            key_shape = key.shape if cache is None else (*key.shape[:1], cache.shape[3])
+            axes = AttentionAxes(self.attention_axes, len(query.shape))
+            scores = axes.scores_shape(query.shape, key_shape, self.num_heads)
+            outputs += (keras.KerasTensor(scores, dtype=dtype),)
+        if cache is not None:
+            outputs += (keras.KerasTensor(cache.shape, dtype=cache.dtype),)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # --- Checks ---------------------------------------------------------------
 
     def _check_call(
         self,
         query,
         value,
         key,
+        query_mask,
         value_mask,
         key_mask,
         attention_mask,
+        attention_bias,
         cache,
         cache_update_index,
-        query_mask=None,
-        mask=None,
-        use_causal_mask=False,
-        return_attention_scores=False,
+        mask,
+        use_causal_mask,
+        return_attention_scores,
     ):
         check_bool("use_causal_mask", use_causal_mask)
         check_bool("return_attention_scores", return_attention_scores)
+        if return_attention_scores and self.flash_attention:
+            raise ValueError(
+                "`return_attention_scores=True` needs the explicit path, and "
+                "this layer has `flash_attention=True`, which requires the flash "
+                "kernel. Create the layer with flash_attention=None to get the "
+                "scores."
+            )
         # Keys and values are projected, or read from a precomputed cache.
         projected = cache is None or cache_update_index is not None
         self._check_inputs(query, value, key, projected)
-        batch, query_length = query.shape[0], query.shape[1]
-        check_mask("query_mask", query_mask, (batch, query_length))
-        check_mask("mask", mask, (batch, query_length))
-        key_length = key.shape[1]
-        if _differ(key.shape[1], value.shape[1]):
-            raise ValueError(
-                "`key` and `value` must have the same length. "
-                f"Received: key.shape={tuple(key.shape)}, "
-                f"value.shape={tuple(value.shape)}."
-            )
+        inner = tuple(query.shape[:-1])
+        check_mask("query_mask", query_mask, inner)
+        check_mask("mask", mask, inner)
+        key_inner = tuple(key.shape[:-1])
         if cache is not None:
-            self._check_cache(cache, batch)
-            key_length = cache.shape[3]
+            self._check_cache(cache, query.shape[0])
+            key_inner = (key_inner[0], cache.shape[3])
             if cache_update_index is not None:
                 check_index(
-                    "cache_update_index", cache_update_index, query_length, key_length
+                    "cache_update_index",
+                    cache_update_index,
+                    query.shape[1],
+                    cache.shape[3],
                 )
         elif cache_update_index is not None:
             raise ValueError(
                 "`cache_update_index` needs a `cache`. Received: cache=None, "
                 f"cache_update_index={cache_update_index}."
             )
-        check_mask("value_mask", value_mask, (batch, key_length))
-        check_mask("key_mask", key_mask, (batch, key_length))
-        check_mask(
-            "attention_mask",
-            attention_mask,
-            {
+        check_mask("value_mask", value_mask, key_inner)
+        check_mask("key_mask", key_mask, key_inner)
+        self._check_attention_mask(attention_mask, inner, key_inner)
+        self._check_attention_bias(attention_bias, inner, key_inner)
+
+    def _check_inputs(self, query, value, key, projected):
+        """Float inputs of the rank and the widths built for."""
+        rank = self._axes.rank
+        layout = "(batch, length, width)" if rank == 3 else "(batch, *axes, width)"
+        for name, tensor in (("query", query), ("value", value), ("key", key)):
+            check_rank(name, tensor.shape, rank, layout)
+            check_float(name, tensor)
+            if name == "query" or projected:
+                check_width(name, tensor.shape, self._widths[name])
+        if any(
+            _differ(a, b)
+            for a, b in zip(key.shape[1:-1], value.shape[1:-1], strict=True)
+        ):
+            raise ValueError(
+                "`key` and `value` must have the same length (all dimensions "
+                "but the last one equal). "
+                f"Received: key.shape={tuple(key.shape)}, "
+                f"value.shape={tuple(value.shape)}."
+            )
+
+    def _check_attention_mask(self, attention_mask, inner, key_inner):
+        if self._axes.rank == 3:
+            batch, query_length, key_length = inner[0], inner[1], key_inner[1]
+            shapes = {
                 2: (query_length, key_length),
                 3: (batch, query_length, key_length),
                 4: (batch, self.num_heads, query_length, key_length),
-            },
-            broadcast=True,
-        )
+            }
+        else:  # (B, *batch axes, *query attention axes, *key attention axes)
+            axes = self._axes
+            shape = (inner[0], *(inner[a] for a in axes.batch))
+            shape += tuple(inner[a] for a in axes.attention)
+            shape += tuple(key_inner[a] for a in axes.attention)
+            shapes = {len(shape): shape}
+        check_mask("attention_mask", attention_mask, shapes, broadcast=True)
 
-    def _check_inputs(self, query, value, key, projected):
-        """Float `(batch, length, width)` inputs of the widths built for."""
-        for name, tensor, kernel in (
-            ("query", query, self.query_kernel),
-            ("value", value, self.value_kernel),
-            ("key", key, self.key_kernel),
-        ):
-            check_rank(name, tensor.shape, 3, "(batch, length, width)")
-            check_float(name, tensor)
-            if name == "query" or projected:
-                check_width(name, tensor.shape, kernel.shape[0])
+    def _check_attention_bias(self, bias, inner, key_inner):
+        if bias is not None and self._axes.rank != 3:
+            raise ValueError(
+                "`attention_bias` needs inputs of rank 3, (batch, length, width). "
+                f"{self.name} was built for inputs of rank {self._axes.rank}."
+            )
+        full = (inner[0], self.num_heads, inner[1], key_inner[1])
+        check_broadcastable(
+            "attention_bias",
+            bias,
+            full,
+            "(batch, num_heads, query_length, key_length)",
+        )
 
     def _check_cache(self, cache, batch, name="cache"):
         """Raise unless `cache` is a float `(batch, 2, kv_heads, length, key_dim)`."""
@@ -551,10 +830,11 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 "num_heads": self.num_heads,
                 "key_dim": self.key_dim,
                 "value_dim": self.value_dim,
-                "num_key_value_heads": self.num_key_value_heads,
                 "dropout": self.dropout,
                 "use_bias": self.use_bias,
-                "output_dim": self.output_dim,
+                "output_shape": self._output_shape,
+                "attention_axes": self.attention_axes,
+                "sliding_window": self.sliding_window,
                 "flash_attention": self.flash_attention,
                 "kernel_initializer": keras.initializers.serialize(
                     self.kernel_initializer
@@ -568,65 +848,28 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                     self.kernel_constraint
                 ),
                 "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                "use_gate": self.use_gate,
                 "seed": self.seed,
+                "num_key_value_heads": self.num_key_value_heads,
+                "dtype": dtype_config(self),
             }
         )
         return config
 
 
-def _merge_padding(value_mask, key_mask):
-    if value_mask is None or key_mask is None:
-        return key_mask if value_mask is None else value_mask
-    return ops.logical_and(ops.cast(value_mask, "bool"), ops.cast(key_mask, "bool"))
-
-
-def _fused_kernels_pay_off(training):
-    """Whether `keras.ops.dot_product_attention` beats the explicit path here.
-
-    Measured on a CPU (`benchmarks/encoder.py`, one block): JAX's fused op runs
-    the forward pass 1.5x faster than the explicit einsums, but its gradient is
-    slower (the explicit path trains ~3% faster); PyTorch's
-    `scaled_dot_product_attention` has fused CPU kernels; TensorFlow's fused op
-    is the same einsums with more overhead (the explicit path trains ~7%
-    faster). On a GPU or TPU every backend has fused kernels.
-    """
-    backend = keras.config.backend()
-    if backend == "torch" or _on_accelerator(backend):
-        return True
-    return backend == "jax" and not training
-
-
-@functools.cache
-def _on_accelerator(backend):
-    if backend == "jax":
-        import jax
-
-        return jax.default_backend() != "cpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
-    return False
-
-
-def _and(mask, other):
-    return other if mask is None else ops.logical_and(mask, other)
-
-
-def _cache_visibility(query, key, cache_update_index, causal):
-    """`(1, 1, T, S)`: which cache positions each new query may see.
-
-    Causal: query `i` (at position `index + i`) sees positions `<= index + i`;
-    otherwise every position written so far, `< index + T`.
-    """
-    query_length, key_length = ops.shape(query)[1], ops.shape(key)[2]  # heads-major
-    index = ops.cast(cache_update_index, "int32")
-    if causal:
-        visible = attn_ops.causal_mask(query_length, key_length, query_offset=index)
-    else:
-        written = ops.arange(key_length) < index + query_length
-        visible = ops.broadcast_to(written[None, :], (query_length, key_length))
-    return visible[None, None]
+def _output_shape(output_shape, output_dim):
+    """`output_shape` (int or tuple) and its alias `output_dim` as a tuple or None."""
+    output_shape = check_shape_argument("output_shape", output_shape)
+    output_dim = check_positive_int("output_dim", output_dim, allow_none=True)
+    if output_dim is not None:
+        if output_shape not in (None, (output_dim,)):
+            raise ValueError(
+                "`output_dim` is another name for an int `output_shape`; pass "
+                f"one of them. Received: output_shape={output_shape}, "
+                f"output_dim={output_dim}."
+            )
+        output_shape = (output_dim,)
+    return output_shape
 
 
 def _differ(a, b):

@@ -3,6 +3,7 @@
 import numbers
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_attn import ops as attn_ops
@@ -12,9 +13,12 @@ from keras_attn.layers._utils import (
     check_float,
     check_positive_float,
     check_positive_int,
-    check_rank,
     check_width,
+    clone_initializer,
+    dtype_config,
+    enable_lora,
     get_keras_object,
+    leaf_dtype,
 )
 
 
@@ -26,19 +30,33 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
     `PE(pos, 2i + 1) = cos(pos / max_wavelength**(2i / D))`, computed in float32
     and cast to the compute dtype, for any sequence length and any width.
 
-    With `vocabulary_size`, the layer embeds integer token ids (optionally
-    scaled by `sqrt(embedding_dim)`, as in the paper) and adds the encoding;
-    `mask_zero=True` makes id 0 padding and emits the Keras mask. Without it, the
-    layer adds the encoding to float inputs (patches, audio frames, precomputed
-    embeddings) and passes any incoming Keras mask through.
+    With `vocabulary_size`, the layer embeds integer token ids with a
+    `keras.layers.Embedding` sublayer, `token_embedding` (so `quantize`,
+    `enable_lora` and `DTypePolicyMap` reach it), optionally scales them by
+    `sqrt(embedding_dim)` as in the paper, and adds the encoding;
+    `mask_zero=True` makes id 0 padding and emits the Keras mask. Float ids
+    are cast to int32, as `keras.layers.Embedding` does. Without a
+    vocabulary, the layer adds the encoding to float inputs (patches, audio
+    frames, precomputed embeddings) and passes any incoming Keras mask
+    through; unlike keras-hub's `SinePositionEncoding`, which returns the
+    encoding alone, it returns the sum.
 
-    Weights: `embeddings (vocabulary_size, embedding_dim)` with a vocabulary;
-    none without.
+    Positions run along the last axis of the ids (`(batch, ..., length)`) or
+    the second-to-last axis of float inputs (`(batch, ..., length, width)`).
+
+    All arguments are keyword only, so that `vocabulary_size` and
+    `embedding_dim` (both ints) cannot be swapped silently.
+
+    Token ids outside `[0, vocabulary_size)` raise a `ValueError` in eager
+    calls. Inside compiled graphs (`fit`, `predict`, `jit_compile`) they are
+    not checked, and the backend's gather decides: JAX returns NaN rows,
+    PyTorch raises an `IndexError`, TensorFlow raises on a CPU and returns
+    zeros on a GPU.
 
     Args:
+        vocabulary_size: int. Number of token ids. `None` for float inputs.
         embedding_dim: int. Output width. Required with `vocabulary_size`;
             without it, defaults to (and must equal) the input width.
-        vocabulary_size: int. Number of token ids. `None` for float inputs.
         max_wavelength: float > 0. Longest wavelength of the encoding.
             Defaults to `10000`.
         mask_zero: bool. Treat id 0 as padding and emit a mask. Needs
@@ -51,19 +69,20 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
-        inputs: int tensor `(batch, length)` of token ids with `vocabulary_size`,
-            float tensor `(batch, length, width)` without.
+        inputs: token ids `(batch, length)` with `vocabulary_size` (any rank
+            >= 2), float tensor `(batch, length, width)` without (any rank
+            >= 3).
         start_index: int, scalar int tensor, or int tensor `(batch,)` with one
             start per sequence. Position of the first input, for step-by-step
             decoding (and for left-padded batches, where each sequence's first
             real token should sit at position 0). Defaults to `0`.
 
     Returns:
-        Float tensor `(batch, length, embedding_dim)` in the compute dtype.
+        Float tensor `(batch, ..., length, embedding_dim)` in the compute dtype.
 
     Example:
-    >>> embedding = keras_attn.SinusoidalEmbedding(embedding_dim=8,
-    ...                                            vocabulary_size=20,
+    >>> embedding = keras_attn.SinusoidalEmbedding(vocabulary_size=20,
+    ...                                            embedding_dim=8,
     ...                                            mask_zero=True)
     >>> ids = np.array([[5, 7, 0]])
     >>> tuple(embedding(ids).shape)
@@ -74,20 +93,28 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
 
     def __init__(
         self,
-        embedding_dim=None,
+        *args,
         vocabulary_size=None,
+        embedding_dim=None,
         max_wavelength=10000,
         mask_zero=False,
         scale_embeddings=True,
         embeddings_initializer=None,
         **kwargs,
     ):
+        if args:
+            raise TypeError(
+                "SinusoidalEmbedding takes keyword arguments only, so that "
+                "`vocabulary_size` and `embedding_dim` cannot be swapped: "
+                "SinusoidalEmbedding(vocabulary_size=..., embedding_dim=...). "
+                f"Received positional arguments {args}."
+            )
         super().__init__(**kwargs)
-        self.embedding_dim = check_positive_int(
-            "embedding_dim", embedding_dim, allow_none=True
-        )
         self.vocabulary_size = check_positive_int(
             "vocabulary_size", vocabulary_size, allow_none=True
+        )
+        self.embedding_dim = check_positive_int(
+            "embedding_dim", embedding_dim, allow_none=True
         )
         self.max_wavelength = check_positive_float("max_wavelength", max_wavelength)
         self.mask_zero = check_bool("mask_zero", mask_zero)
@@ -114,31 +141,58 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         )
         self.supports_masking = True
 
+    @property
+    def embeddings(self):
+        """The token table `(vocabulary_size, embedding_dim)` (its int8/int4
+        values once quantized)."""
+        return self.token_embedding.embeddings
+
     def build(self, inputs_shape, start_index_shape=None):
-        if self.vocabulary_size is None:
-            check_rank("inputs", inputs_shape, 3, "(batch, length, width) floats")
-            width = inputs_shape[-1]
-            if self.embedding_dim is not None and width != self.embedding_dim:
-                raise ValueError(
-                    "`embedding_dim` must equal the input width for float inputs. "
-                    f"Received: embedding_dim={self.embedding_dim}, "
-                    f"input width={width}."
-                )
-            self._width = width
-        else:
-            check_rank("inputs", inputs_shape, 2, "(batch, length) token ids")
-            self._width = self.embedding_dim
-            self.embeddings = self.add_weight(
-                name="embeddings",
-                shape=(self.vocabulary_size, self.embedding_dim),
-                initializer=self.embeddings_initializer,
+        self._width = self._check_shape(inputs_shape)
+        if self.vocabulary_size is not None:
+            # Exactly `keras.layers.Embedding`: Keras quantizes no subclass.
+            self.token_embedding = keras.layers.Embedding(
+                self.vocabulary_size,
+                self.embedding_dim,
+                embeddings_initializer=clone_initializer(self.embeddings_initializer),
+                dtype=leaf_dtype(self, "token_embedding"),
+                name="token_embedding",
             )
+            self.token_embedding.build(inputs_shape)
         self.built = True
 
+    def _check_shape(self, shape):
+        """Raise unless `shape` is ids or floats as configured; return the width."""
+        if self.vocabulary_size is not None:
+            if len(shape) < 2:
+                raise ValueError(
+                    "`inputs` must have rank 2 or more, (batch, length) token "
+                    f"ids. Received: inputs.shape={tuple(shape)}."
+                )
+            return self.embedding_dim
+        if len(shape) < 3:
+            raise ValueError(
+                "`inputs` must have rank 3 or more, (batch, length, width) floats. "
+                f"Received: inputs.shape={tuple(shape)}."
+            )
+        if self.embedding_dim is not None and shape[-1] != self.embedding_dim:
+            raise ValueError(
+                "`embedding_dim` must equal the input width for float inputs. "
+                f"Received: embedding_dim={self.embedding_dim}, "
+                f"input width={shape[-1]}."
+            )
+        return shape[-1]
+
     def call(self, inputs, start_index=0):
-        self._check_inputs(inputs)
-        self._check_start_index(start_index, inputs.shape[0])
-        length = ops.shape(inputs)[1]
+        self._check_call(inputs, start_index)
+        if self.vocabulary_size is None:
+            x = inputs
+        else:
+            self._check_token_ids(inputs)
+            x = self.token_embedding(inputs)  # (B, ..., T, D)
+            if self.scale_embeddings:
+                x = x * ops.cast(self.embedding_dim**0.5, x.dtype)
+        length = ops.shape(x)[-2]
         positions = attn_ops.sinusoidal_position_encoding(
             length,
             self._width,
@@ -146,26 +200,36 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
             start_index=start_index,
             dtype=self.compute_dtype,
         )  # (T, D), or (B, T, D) with one start per sequence
-        if self.vocabulary_size is None:
-            return inputs + positions
-        tokens = ops.take(self.embeddings, inputs, axis=0)  # (B, T, D)
-        if self.scale_embeddings:
-            tokens = tokens * ops.cast(self.embedding_dim**0.5, tokens.dtype)
-        return tokens + positions
-
-    def _check_inputs(self, inputs):
-        dtype = keras.backend.standardize_dtype(inputs.dtype)
-        if self.vocabulary_size is not None and "int" not in dtype:
-            raise TypeError(
-                "With `vocabulary_size`, `inputs` must be integer token ids. "
-                f"Received: inputs.dtype={dtype}. Cast the ids to int32."
+        if len(positions.shape) == 3:  # (B, 1, ..., T, D) for inputs of rank > 3
+            positions = ops.reshape(
+                positions, (-1, *[1] * (len(x.shape) - 3), *ops.shape(positions)[1:])
             )
+        return x + positions
+
+    def _check_call(self, inputs, start_index):
+        self._check_shape(inputs.shape)
         if self.vocabulary_size is None:
-            check_rank("inputs", inputs.shape, 3, "(batch, length, width) floats")
             check_float("inputs", inputs)
             check_width("inputs", inputs.shape, self._width)
-        else:
-            check_rank("inputs", inputs.shape, 2, "(batch, length) token ids")
+        self._check_start_index(start_index, inputs.shape[0])
+
+    def _check_token_ids(self, inputs):
+        """Ids in `[0, vocabulary_size)`, checked where that is cheap: in eager
+        calls. Traced tensors (compiled graphs) have no values to check."""
+        if any(dim == 0 for dim in inputs.shape):
+            return
+        try:
+            low, high = ops.convert_to_numpy(
+                ops.stack([ops.min(inputs), ops.max(inputs)])
+            )
+        except (TypeError, NotImplementedError, RuntimeError):
+            return  # a tracer, a graph tensor or torch.export's fake tensor
+        if low < 0 or high >= self.vocabulary_size:
+            raise ValueError(
+                "Token ids must be in [0, vocabulary_size) = "
+                f"[0, {self.vocabulary_size}). Received ids from "
+                f"{_number(low)} to {_number(high)}."
+            )
 
     def _check_start_index(self, start_index, batch):
         """An int, or an int tensor: a scalar or one start per sequence."""
@@ -203,18 +267,63 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
             return tuple(inputs_shape)
         return (*inputs_shape, self.embedding_dim)
 
+    def compute_output_spec(self, inputs, start_index=0):
+        self._check_call(inputs, start_index)
+        shape = self.compute_output_shape(inputs.shape)
+        return keras.KerasTensor(shape, dtype=self.compute_dtype)
+
+    def enable_lora(
+        self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
+    ):
+        """Low-rank adapters (Hu et al. 2021) on the token embeddings.
+
+        Calls `enable_lora` of the `token_embedding` sublayer, whose table is
+        then frozen: only the adapters train. Saving merges the adapters into
+        the table (Keras' behaviour).
+
+        Args:
+            rank: int. Rank of the adapters.
+            lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
+                Defaults to `rank`.
+            a_initializer: initializer of the first factor. Defaults to
+                `"he_uniform"`.
+            b_initializer: initializer of the second factor. Defaults to
+                `"zeros"`.
+
+        Example:
+        >>> embedding = keras_attn.SinusoidalEmbedding(vocabulary_size=10,
+        ...                                            embedding_dim=4)
+        >>> _ = embedding(np.array([[1, 2]]))
+        >>> embedding.enable_lora(2)
+        >>> [w.path.split("/")[-1] for w in embedding.trainable_weights]
+        ['lora_embeddings_a', 'lora_embeddings_b']
+        """
+        if self.vocabulary_size is None:
+            raise ValueError(
+                f"{self.name} has no weights to adapt: it adds positions to "
+                "float inputs. LoRA needs `vocabulary_size` (a token table)."
+            )
+        targets = [self.token_embedding] if self.built else []
+        enable_lora(self, targets, rank, lora_alpha, a_initializer, b_initializer)
+
     def get_config(self):
         config = super().get_config()
         config.update(
             {
-                "embedding_dim": self.embedding_dim,
                 "vocabulary_size": self.vocabulary_size,
+                "embedding_dim": self.embedding_dim,
                 "max_wavelength": self.max_wavelength,
                 "mask_zero": self.mask_zero,
                 "scale_embeddings": self.scale_embeddings,
                 "embeddings_initializer": keras.initializers.serialize(
                     self.embeddings_initializer
                 ),
+                "dtype": dtype_config(self),
             }
         )
         return config
+
+
+def _number(value):
+    value = np.asarray(value).item()
+    return int(value) if float(value).is_integer() else value

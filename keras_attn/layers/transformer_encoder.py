@@ -3,7 +3,7 @@
 import keras
 
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
-from keras_attn.layers._utils import check_float, check_mask
+from keras_attn.layers._utils import check_broadcastable, check_mask
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -30,16 +30,22 @@ class TransformerEncoder(TransformerBlock):
             feed-forward hidden units and each residual branch. Defaults to `0.0`.
         activation: activation of the feed-forward network. Defaults to `"relu"`.
         layer_norm_epsilon: float > 0. Defaults to `1e-5`.
-        normalize_first: bool. Pre-norm instead of post-norm. Defaults to
-            `False`.
-        key_dim: int. Per-head width. Defaults to width // `num_heads`.
-        num_key_value_heads: int. Key/value heads for grouped-query attention;
-            must divide `num_heads`. Defaults to `num_heads`.
         kernel_initializer: initializer of all kernels. Defaults to
             `"glorot_uniform"`.
         bias_initializer: initializer of all biases. Defaults to `"zeros"`.
-        flash_attention: `None`, `True` or `False`; see
+        normalize_first: bool. Pre-norm instead of post-norm. Defaults to
+            `False`.
+        key_dim: int, keyword only. Per-head width. Defaults to width //
+            `num_heads`.
+        num_key_value_heads: int, keyword only. Key/value heads for
+            grouped-query attention; must divide `num_heads`. Defaults to
+            `num_heads`.
+        flash_attention: `None`, `True` or `False`, keyword only; see
             `keras_attn.MultiHeadAttention`. Defaults to `None`.
+        use_gate: bool, keyword only. A sigmoid gate on the attention output;
+            see `keras_attn.MultiHeadAttention`. Defaults to `False`.
+        sliding_window: int, keyword only. Each position attends only to
+            positions less than `sliding_window` away. Defaults to `None`.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -51,6 +57,9 @@ class TransformerEncoder(TransformerBlock):
         training: bool. Whether dropout is active.
         return_attention_scores: bool. Also return the self-attention weights
             `(batch, num_heads, length, length)`. Defaults to `False`.
+        attention_bias: optional float tensor broadcastable to
+            `(batch, num_heads, length, length)`, added to the attention
+            logits (e.g. `keras_attn.ops.alibi_bias`).
         mask, inputs_mask: filled in by Keras with the input's Keras mask; not
             passed by hand.
 
@@ -67,9 +76,9 @@ class TransformerEncoder(TransformerBlock):
     def build(self, inputs_shape):
         self._check_width("inputs", inputs_shape)
         self.self_attention, self.self_attention_layer_norm = self._build_attention(
-            "self_attention", inputs_shape
+            "self_attention", inputs_shape, window=self.sliding_window
         )
-        self._build_feedforward(inputs_shape)
+        self._build_feedforward(inputs_shape, norm_first=True)
         self.built = True
 
     def call(
@@ -79,14 +88,17 @@ class TransformerEncoder(TransformerBlock):
         attention_mask=None,
         training=None,
         return_attention_scores=False,
+        attention_bias=None,
         mask=None,
         inputs_mask=None,
     ):
-        self._check_width("inputs", inputs.shape)
-        check_float("inputs", inputs)
-        batch, length = inputs.shape[0], inputs.shape[1]
-        check_mask("padding_mask", padding_mask, (batch, length))
-        check_mask("attention_mask", attention_mask, (batch, length, length))
+        self._check_call(
+            inputs,
+            padding_mask,
+            attention_mask,
+            attention_bias,
+            return_attention_scores,
+        )
         padding_mask = to_bool(first_mask(padding_mask, inputs_mask, mask))
         x, scores, _ = self._attention_residual(
             inputs,
@@ -96,6 +108,52 @@ class TransformerEncoder(TransformerBlock):
             return_attention_scores,
             value_mask=padding_mask,
             attention_mask=attention_mask,
+            attention_bias=attention_bias,
         )
         x = self._feedforward_residual(x, training)
         return (x, scores) if return_attention_scores else x
+
+    def _check_call(
+        self, inputs, padding_mask, attention_mask, attention_bias, return_scores
+    ):
+        self._check_sequence("inputs", inputs, return_scores)
+        batch, length = inputs.shape[0], inputs.shape[1]
+        check_mask("padding_mask", padding_mask, (batch, length))
+        check_mask("attention_mask", attention_mask, (batch, length, length))
+        check_broadcastable(
+            "attention_bias",
+            attention_bias,
+            (batch, self.num_heads, length, length),
+            "(batch, num_heads, length, length)",
+        )
+
+    def _attention_layers(self):
+        return [self.self_attention]
+
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape)
+
+    def compute_output_spec(
+        self,
+        inputs,
+        padding_mask=None,
+        attention_mask=None,
+        training=None,
+        return_attention_scores=False,
+        attention_bias=None,
+        mask=None,
+        inputs_mask=None,
+    ):
+        self._check_call(
+            inputs,
+            padding_mask,
+            attention_mask,
+            attention_bias,
+            return_attention_scores,
+        )
+        output = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return output
+        batch, length = inputs.shape[0], inputs.shape[1]
+        scores = (batch, self.num_heads, length, length)
+        return output, keras.KerasTensor(scores, dtype=self.compute_dtype)

@@ -1,28 +1,26 @@
+"""MultiHeadAttention: the contract, numbers against numpy and against Keras'
+own layer (the same weights), masks, biases, sliding windows, attention axes,
+the dispatcher's choices and `flash_attention`. Bad arguments:
+tests/layers/test_arguments.py."""
+
 import keras
 import numpy as np
 import pytest
 
-from keras_attn import MultiHeadAttention
-from tests.helpers import has_accelerator, random_floats, run_layer_contract, to_numpy
+import keras_attn
+from keras_attn import MultiHeadAttention, TransformerDecoder, TransformerEncoder
+from tests.helpers import (
+    BACKEND,
+    attention_reference,
+    has_accelerator,
+    masking_bias,
+    random_floats,
+    run_layer_contract,
+    to_numpy,
+)
 
 B, TQ, TK, WIDTH = 3, 5, 7, 12
-
-
-def numpy_reference(layer, query, value, mask=None):
-    """softmax(QK^T / sqrt(d_k)) V W_O from the layer's own weights, in float64."""
-    w = {v.path.split("/")[-1]: to_numpy(v).astype(np.float64) for v in layer.weights}
-    q = np.einsum("btd,dhk->bthk", query, w["query_kernel"]) + w["query_bias"]
-    k = np.einsum("bsd,dhk->bshk", value, w["key_kernel"]) + w["key_bias"]
-    v = np.einsum("bsd,dhk->bshk", value, w["value_kernel"]) + w["value_bias"]
-    group = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    logits = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
-    if mask is not None:
-        logits = np.where(mask, logits, -np.inf)
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    context = np.einsum("bhts,bshk->bthk", weights, v)
-    return np.einsum("bthk,hko->bto", context, w["output_kernel"]) + w["output_bias"]
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def test_layer_contract_self_attention(tmp_path):
@@ -39,7 +37,7 @@ def test_layer_contract_self_attention(tmp_path):
 def test_layer_contract_cross_attention(tmp_path):
     run_layer_contract(
         MultiHeadAttention,
-        {"num_heads": 3, "key_dim": 5, "value_dim": 7, "output_dim": 11},
+        {"num_heads": 3, "key_dim": 5, "value_dim": 7, "output_shape": (11,)},
         {"query": random_floats(B, TQ, WIDTH), "value": random_floats(B, TK, 9)},
         expected_output_shape=(B, TQ, 11),
         tmp_path=tmp_path,
@@ -56,9 +54,9 @@ def test_matches_numpy_reference_with_grouped_query_heads(kv_heads, flash_attent
     padding = np.ones((B, TK), bool)
     padding[0, 4:] = False
     output = layer(query, value, value_mask=padding)
-    expected = numpy_reference(layer, query, value, padding[:, None, None, :])
+    expected = attention_reference(layer, query, value, padding[:, None, None, :])
     np.testing.assert_allclose(to_numpy(output), expected, atol=1e-5, rtol=1e-5)
-    assert layer.key_kernel.shape == (8, kv_heads or 4, WIDTH // 4)
+    assert tuple(layer.key_dense.kernel.shape) == (8, kv_heads or 4, WIDTH // 4)
 
 
 def test_fused_and_explicit_paths_agree_with_every_mask():
@@ -158,71 +156,6 @@ def test_dropout_only_in_training_and_seeded():
     assert np.all(np.isfinite(trained))
 
 
-def test_large_activations_stay_finite_in_mixed_precision():
-    for policy in ("mixed_float16", "mixed_bfloat16"):
-        layer = MultiHeadAttention(num_heads=2, dtype=policy)
-        x = random_floats(2, 16, 8, scale=300.0)
-        for flash_attention in (None, False):
-            layer.flash_attention = flash_attention
-            output = to_numpy(keras.ops.cast(layer(x), "float32"))
-            assert np.all(np.isfinite(output)), (policy, flash_attention)
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"num_heads": 0}, ValueError, "num_heads=0"),
-        ({"num_heads": 2.0}, TypeError, "num_heads=2.0"),
-        (
-            {"num_heads": 4, "num_key_value_heads": 3},
-            ValueError,
-            "num_key_value_heads=3",
-        ),
-        ({"num_heads": 2, "dropout": 1.0}, ValueError, "dropout=1.0"),
-        ({"num_heads": 2, "dropout": -0.1}, ValueError, "dropout=-0.1"),
-        ({"num_heads": 2, "key_dim": -3}, ValueError, "key_dim=-3"),
-        ({"num_heads": 2, "output_dim": 0}, ValueError, "output_dim=0"),
-        ({"num_heads": 2, "flash_attention": "yes"}, TypeError, "flash_attention"),
-        ({"num_heads": 2, "seed": -1}, ValueError, "seed=-1"),
-    ],
-)
-def test_bad_constructor_arguments(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        MultiHeadAttention(**kwargs)
-
-
-def test_heads_must_divide_the_width():
-    with pytest.raises(ValueError, match="num_heads=5, query width=12"):
-        MultiHeadAttention(num_heads=5)(random_floats(2, 3, 12))
-    assert (
-        MultiHeadAttention(num_heads=5, key_dim=4)(random_floats(2, 3, 12)).shape[-1]
-        == 12
-    )
-
-
-@pytest.mark.parametrize(
-    "call_kwargs, match",
-    [
-        ({"query": random_floats(2, 12)}, r"`query` must have rank 3"),
-        ({"value_mask": np.ones((2, 4), bool)}, r"value_mask.shape=\(2, 4\)"),
-        ({"key_mask": np.ones((2, 5, 1), bool)}, r"key_mask.shape=\(2, 5, 1\)"),
-        ({"attention_mask": np.ones((2, 3, 4), bool)}, r"attention_mask.shape"),
-        ({"attention_mask": np.ones((5,), bool)}, r"attention_mask.*rank 2 or 3 or 4"),
-        ({"key": random_floats(2, 4, 12)}, "same length"),
-    ],
-)
-def test_bad_call_arguments(call_kwargs, match):
-    layer = MultiHeadAttention(num_heads=2)
-    query, value = random_floats(2, 3, 12), random_floats(2, 5, 12)
-    layer(query, value)
-    weights = [w.copy() for w in layer.get_weights()]
-    kwargs = {"query": query, "value": value, **call_kwargs}
-    with pytest.raises(ValueError, match=match):
-        layer(**kwargs)
-    for before, after in zip(weights, layer.get_weights(), strict=True):
-        np.testing.assert_array_equal(before, after)
-
-
 def test_flash_attention_true_is_never_silently_ignored():
     layer = MultiHeadAttention(num_heads=2, flash_attention=True, dtype="bfloat16")
     x = random_floats(2, 4, 8)
@@ -232,3 +165,370 @@ def test_flash_attention_true_is_never_silently_ignored():
             layer(x)
     else:
         assert layer(x).shape == (2, 4, 8)
+
+
+def test_layer_contract_attention_axes_gate_and_window(tmp_path):
+    run_layer_contract(
+        MultiHeadAttention,
+        {
+            "num_heads": 2,
+            "key_dim": 3,
+            "attention_axes": (2,),
+            "use_gate": True,
+            "sliding_window": 2,
+            "output_shape": (4, 2),
+        },
+        {"query": random_floats(2, 3, 5, 7), "value": random_floats(2, 3, 4, 6)},
+        expected_output_shape=(2, 3, 5, 4, 2),
+        tmp_path=tmp_path,
+    )
+
+
+# --- Drop-in for keras.layers.MultiHeadAttention ---------------------------
+
+KERAS_CASES = {
+    "self-attention": ({"num_heads": 2, "key_dim": 3}, (3, 5, 7), None, {}),
+    "cross-attention-value-dim": (
+        {"num_heads": 3, "key_dim": 2, "value_dim": 5},
+        (3, 5, 7),
+        (3, 11, 4),
+        {},
+    ),
+    "no-bias-gate": (
+        {"num_heads": 2, "key_dim": 3, "use_bias": False, "use_gate": True},
+        (3, 5, 7),
+        (3, 11, 4),
+        {},
+    ),
+    "output-shape-tuple": (
+        {"num_heads": 2, "key_dim": 3, "output_shape": (2, 3)},
+        (3, 5, 7),
+        None,
+        {},
+    ),
+    "sliding-window-causal": (
+        {"num_heads": 2, "key_dim": 3, "sliding_window": 2},
+        (3, 7, 5),
+        None,
+        {"use_causal_mask": True},
+    ),
+    "sliding-window": (
+        {"num_heads": 2, "key_dim": 3, "sliding_window": 3},
+        (3, 7, 5),
+        None,
+        {},
+    ),
+    "rank-4-last-axis": (
+        {"num_heads": 2, "key_dim": 3, "attention_axes": (2,)},
+        (2, 3, 5, 7),
+        (2, 3, 11, 4),
+        {},
+    ),
+    "rank-4-first-axis-negative": (
+        {"num_heads": 2, "key_dim": 3, "attention_axes": -3},
+        (2, 5, 3, 7),
+        (2, 11, 3, 4),
+        {},
+    ),
+    "rank-5-two-axes-gate": (
+        {"num_heads": 2, "key_dim": 3, "attention_axes": (2, 3), "use_gate": True},
+        (2, 3, 4, 5, 7),
+        (2, 3, 2, 3, 4),
+        {},
+    ),
+    "rank-4-all-axes": ({"num_heads": 2, "key_dim": 3}, (2, 3, 5, 7), None, {}),
+}
+
+
+def keras_twins(init, query_shape, value_shape):
+    """Keras' MultiHeadAttention and ours with Keras' weights, and inputs.
+
+    Keras' layer is the reference through its explicit path (with
+    `return_attention_scores=True`): in Keras 3.15 its fused path fails on
+    JAX for `value_dim != key_dim`.
+    """
+    query = random_floats(*query_shape, seed=1)
+    value = query if value_shape is None else random_floats(*value_shape, seed=2)
+    theirs = keras.layers.MultiHeadAttention(**init)
+    ours = MultiHeadAttention(**init)
+    theirs.build(query.shape, value.shape)
+    ours.build(query.shape, value.shape)
+    ours.set_weights(theirs.get_weights())
+    return ours, theirs, query, value
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+@pytest.mark.parametrize("case", list(KERAS_CASES))
+def test_same_weights_and_numbers_as_keras_multi_head_attention(case, flash_attention):
+    init, query_shape, value_shape, call = KERAS_CASES[case]
+    ours, theirs, query, value = keras_twins(init, query_shape, value_shape)
+    ours.flash_attention = flash_attention
+    assert [w.path.split("/", 1)[1] for w in ours.weights] == [
+        w.path.split("/", 1)[1] for w in theirs.weights
+    ]
+    expected, expected_scores = theirs(
+        query, value, return_attention_scores=True, **call
+    )
+    output, scores = ours(query, value, return_attention_scores=True, **call)
+    np.testing.assert_allclose(to_numpy(output), to_numpy(expected), **TOLERANCE)
+    np.testing.assert_allclose(to_numpy(scores), to_numpy(expected_scores), **TOLERANCE)
+    np.testing.assert_allclose(
+        to_numpy(ours(query, value, **call)), to_numpy(expected), **TOLERANCE
+    )
+
+
+@pytest.mark.parametrize(
+    "query_shape, value_shape, axes",
+    [((2, 3, 5, 7), (2, 3, 11, 7), (2,)), ((2, 3, 4, 5, 7), (2, 3, 2, 3, 7), (2, 3))],
+)
+def test_attention_mask_of_higher_rank_inputs_as_in_keras(
+    query_shape, value_shape, axes
+):
+    """`(batch, *batch axes, *query attention axes, *key attention axes)`."""
+    init = {"num_heads": 2, "key_dim": 3, "attention_axes": axes}
+    ours, theirs, query, value = keras_twins(init, query_shape, value_shape)
+    batch_axes = [a for a in range(1, len(query_shape) - 1) if a not in axes]
+    shape = [query_shape[0], *(query_shape[a] for a in batch_axes)]
+    shape += [query_shape[a] for a in axes] + [value_shape[a] for a in axes]
+    mask = np.random.default_rng(3).random(shape) > 0.4
+    mask.reshape(-1, mask.shape[-1])[:, 0] = True  # every row attends somewhere
+    expected, _ = theirs(
+        query, value, attention_mask=mask, return_attention_scores=True
+    )
+    for flash_attention in (None, False):
+        ours.flash_attention = flash_attention
+        output = ours(query, value, attention_mask=mask)
+        np.testing.assert_allclose(to_numpy(output), to_numpy(expected), **TOLERANCE)
+
+
+def test_causal_mask_of_higher_rank_inputs_runs_over_the_attention_axis():
+    layer = MultiHeadAttention(2, key_dim=3, attention_axes=(2,))
+    x = random_floats(2, 3, 5, 7)
+    causal = np.broadcast_to(np.tril(np.ones((5, 5), bool)), (2, 3, 5, 5))
+    np.testing.assert_allclose(
+        to_numpy(layer(x, use_causal_mask=True)),
+        to_numpy(layer(x, attention_mask=causal)),
+        **TOLERANCE,
+    )
+
+
+@pytest.mark.parametrize(
+    "query_dims, value_dims, key_dims, output_shape",
+    [
+        ((4, 8), (2, 8), None, None),
+        ((4, 8), (2, 8), (2, 3), None),
+        ((4, 8), (2, 8), None, (3, 4)),
+        ((4, 8), (2, 8), (2, 3), (1, 5)),
+        ((4, 2, 3, 8), (1, 1, 5, 8), (1, 1, 5, 2), None),
+        ((4, 2, 3, 8), (1, 1, 5, 8), (1, 1, 5, 2), (3, 2)),
+        ((4, 2, 3, 8), (4, 2, 3, 7), (4, 2, 3, 8), None),
+    ],
+)
+def test_compute_output_shape_as_in_keras(
+    query_dims, value_dims, key_dims, output_shape
+):
+    """Keras' `test_compute_output_shape` cases (attention over every inner axis)."""
+    layer = MultiHeadAttention(2, key_dim=2, value_dim=2, output_shape=output_shape)
+    query_shape, value_shape = (7, *query_dims), (7, *value_dims)
+    key_shape = (7, *key_dims) if key_dims else None
+    key = None if key_shape is None else np.ones(key_shape, "float32")
+    output = layer(
+        np.ones(query_shape, "float32"), np.ones(value_shape, "float32"), key
+    )
+    assert (
+        layer.compute_output_shape(query_shape, value_shape, key_shape) == output.shape
+    )
+    lists = [
+        None if s is None else list(s) for s in (query_shape, value_shape, key_shape)
+    ]
+    assert layer.compute_output_shape(*lists) == output.shape
+
+
+@pytest.mark.parametrize(
+    "query_shape, value_shape, key_shape",
+    [
+        ((2, 4, 8), (2, 2, 8), (2, 1, 7)),
+        ((2, 4, 2, 3, 8), (2, 1, 1, 5, 8), (2, 1, 15, 5, 2)),
+    ],
+)
+def test_key_and_value_of_other_lengths_raise_as_in_keras(
+    query_shape, value_shape, key_shape
+):
+    layer = MultiHeadAttention(4, key_dim=2, value_dim=2)
+    with pytest.raises(ValueError, match=r"must be equal"):
+        layer.compute_output_shape(query_shape, value_shape, key_shape)
+    with pytest.raises(ValueError, match=r"must be equal"):
+        layer(*(np.ones(s, "float32") for s in (query_shape, value_shape, key_shape)))
+
+
+def test_output_shape_int_tuple_and_output_dim_alias():
+    x = random_floats(2, 4, 16)
+    assert tuple(MultiHeadAttention(2, key_dim=4, output_shape=8)(x).shape) == (2, 4, 8)
+    assert tuple(MultiHeadAttention(2, key_dim=4, output_shape=(8, 3))(x).shape) == (
+        2,
+        4,
+        8,
+        3,
+    )
+    alias = MultiHeadAttention(2, key_dim=4, output_dim=8)
+    assert (
+        alias.get_config()["output_shape"] == (8,)
+        and "output_dim" not in alias.get_config()
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`output_dim` is another name.*output_shape=\(4,\), output_dim=8",
+    ):
+        MultiHeadAttention(2, output_shape=4, output_dim=8)
+    with pytest.raises(
+        TypeError, match=r"`output_shape` must be None, an int or a tuple.*8.0"
+    ):
+        MultiHeadAttention(2, output_shape=8.0)
+    with pytest.raises(
+        ValueError, match=r"`output_shape` must hold positive ints.*\(8, 0\)"
+    ):
+        MultiHeadAttention(2, output_shape=(8, 0))
+
+
+@pytest.mark.parametrize(
+    "axes, error, match",
+    [
+        ("2", TypeError, r"`attention_axes` must be None, an int or.*'2'"),
+        ((), TypeError, r"attention_axes=\(\)"),
+        ((1.5,), TypeError, r"attention_axes=\(1.5,\)"),
+        ((3,), ValueError, r"in \[1, 2\] or \[-3, -2\].*attention_axes=\(3,\)"),
+        ((0,), ValueError, r"attention_axes=\(0,\)"),
+        ((-1,), ValueError, r"attention_axes=\(-1,\)"),
+        ((2, -2), ValueError, r"distinct.*attention_axes=\(2, -2\)"),
+    ],
+)
+def test_bad_attention_axes(axes, error, match):
+    with pytest.raises(error, match=match):
+        layer = MultiHeadAttention(2, key_dim=2, attention_axes=axes)
+        layer.build((2, 3, 5, 4))
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_attention_bias_is_added_to_the_scaled_logits(flash_attention):
+    layer = MultiHeadAttention(
+        4, num_key_value_heads=2, flash_attention=flash_attention
+    )
+    query, value = random_floats(3, 5, 8, seed=1), random_floats(3, 7, 6, seed=2)
+    bias = random_floats(3, 4, 5, 7, seed=3)
+    _, scores = layer(query, value, return_attention_scores=True)
+    _, biased = layer(query, value, attention_bias=bias, return_attention_scores=True)
+    # log-softmax shifts by a per-row constant: the bias is what changed.
+    difference = np.log(to_numpy(biased)) - np.log(to_numpy(scores)) - bias
+    np.testing.assert_allclose(difference - difference[..., :1], 0.0, atol=1e-4)
+    fused = layer(query, value, attention_bias=bias)
+    np.testing.assert_allclose(
+        to_numpy(fused), to_numpy(layer(query, value, attention_bias=bias)), **TOLERANCE
+    )
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+@pytest.mark.parametrize("bias_shape", [(3, 4, 5, 7), (1, 4, 5, 7), (4, 1, 7), (7,)])
+def test_a_masking_bias_equals_the_mask(flash_attention, bias_shape):
+    layer = MultiHeadAttention(
+        4, num_key_value_heads=2, flash_attention=flash_attention
+    )
+    query, value = random_floats(3, 5, 8, seed=1), random_floats(3, 7, 6, seed=2)
+    mask = np.random.default_rng(0).random(bias_shape) > 0.3
+    mask[..., 0] = True
+    masked = layer(query, value, attention_mask=np.broadcast_to(mask, (3, 4, 5, 7)))
+    biased = layer(query, value, attention_bias=masking_bias(mask))
+    np.testing.assert_allclose(to_numpy(biased), to_numpy(masked), **TOLERANCE)
+
+
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_a_bias_together_with_masks(flash_attention):
+    """Keras' torch kernel takes a bias or a mask; both reach it folded."""
+    layer = MultiHeadAttention(
+        4, num_key_value_heads=2, flash_attention=flash_attention
+    )
+    query, value = random_floats(3, 5, 8, seed=1), random_floats(3, 7, 6, seed=2)
+    rng = np.random.default_rng(0)
+    bias = random_floats(1, 4, 5, 7, seed=3)
+    padding = rng.random((3, 7)) > 0.3
+    padding[:, 0] = True
+    padding[2] = False  # a row of padding only: zeros
+    mask = rng.random((3, 5, 7)) > 0.3
+    output = layer(
+        query, value, value_mask=padding, attention_mask=mask, attention_bias=bias
+    )
+    allowed = padding[:, None, None, :] & mask[:, None]
+    expected = layer(query, value, attention_bias=bias + masking_bias(allowed))
+    expected = np.where(
+        allowed.any(-1)[:, 0, :, None],
+        to_numpy(expected),
+        to_numpy(layer.output_dense.bias),
+    )
+    np.testing.assert_allclose(to_numpy(output), expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_sliding_window_scores_vanish_outside_the_band(causal, flash_attention):
+    """Keras' `test_sliding_window`, and the fused path gives the same output."""
+    layer = MultiHeadAttention(2, key_dim=4, sliding_window=3)
+    x = random_floats(1, 6, 8)
+    output, scores = layer(x, use_causal_mask=causal, return_attention_scores=True)
+    i, j = np.indices((6, 6))
+    band = (np.abs(i - j) < 3) & ((j <= i) if causal else True)
+    scores = to_numpy(scores)
+    assert np.all(scores[..., band] > 0) and np.all(scores[..., ~band] == 0)
+    layer.flash_attention = flash_attention
+    np.testing.assert_allclose(
+        to_numpy(layer(x, use_causal_mask=causal)), to_numpy(output), **TOLERANCE
+    )
+    mask = to_numpy(keras_attn.ops.sliding_window_mask(6, 6, 3))
+    np.testing.assert_array_equal(mask, np.abs(i - j) < 3)
+
+
+def test_sliding_window_in_cached_decoding_equals_the_full_call():
+    layer = MultiHeadAttention(4, num_key_value_heads=2, sliding_window=2)
+    x = random_floats(2, 6, 8)
+    full = to_numpy(layer(x, use_causal_mask=True))
+    cache = layer.get_empty_cache(2, 6)
+    first, cache = layer(
+        x[:, :3], use_causal_mask=True, cache=cache, cache_update_index=0
+    )
+    steps = [to_numpy(first)]
+    for i in range(3, 6):
+        step, cache = layer(
+            x[:, i : i + 1], use_causal_mask=True, cache=cache, cache_update_index=i
+        )
+        steps.append(to_numpy(step))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, **TOLERANCE)
+
+
+def test_grouped_query_heads_reach_the_fused_kernel_unrepeated(fused_calls):
+    layer = MultiHeadAttention(6, key_dim=4, num_key_value_heads=2)
+    x = random_floats(3, 5, 8)
+    layer(x)
+    if BACKEND == "tensorflow":  # no fused TensorFlow kernel: the explicit path
+        assert fused_calls == []
+    else:
+        assert fused_calls == [(3, 5, 2, 4)]
+
+
+def test_flash_attention_true_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match=r"`flash_attention=True`.*dropout=0.1"):
+        MultiHeadAttention(2, dropout=0.1, flash_attention=True)
+    for block in (TransformerEncoder, TransformerDecoder):
+        with pytest.raises(ValueError, match=r"`flash_attention=True`.*dropout=0.1"):
+            block(8, 2, dropout=0.1, flash_attention=True)
+    x = random_floats(2, 3, 8)
+    for layer in (
+        MultiHeadAttention(2, flash_attention=True),
+        TransformerEncoder(8, 2, flash_attention=True),
+        TransformerDecoder(8, 2, flash_attention=True),
+    ):
+        with pytest.raises(ValueError, match=r"`return_attention_scores=True` needs"):
+            layer(x, return_attention_scores=True)
+    q = random_floats(2, 3, 2, 4)
+    for kwargs in ({"return_scores": True}, {"dropout": lambda w: w}):
+        with pytest.raises(ValueError, match=r"`flash_attention=True` needs the fused"):
+            keras_attn.ops.dot_product_attention(
+                q, q, q, flash_attention=True, **kwargs
+            )

@@ -1,10 +1,28 @@
+"""SinusoidalEmbedding: the contract, the paper's encoding, token ids (float
+ids cast, out-of-range ids refused in eager calls), masks, positions of inputs
+of any rank. Bad arguments: tests/layers/test_arguments.py."""
+
 import keras
 import numpy as np
 import pytest
 
-from keras_attn import SinusoidalEmbedding
-from tests.helpers import random_floats, run_layer_contract, to_numpy
-from tests.test_ops import EPS32, reference_encoding
+from keras_attn import SinusoidalEmbedding, TransformerDecoder
+from tests.helpers import (
+    EPS32,
+    random_floats,
+    reference_encoding,
+    run_layer_contract,
+    to_numpy,
+)
+
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+VOCAB = 11
+
+
+def token_ids(*shape, seed=0):
+    ids = np.random.default_rng(seed).integers(1, VOCAB, shape).astype("int32")
+    ids[0, shape[1] // 2 :] = 0  # padding
+    return ids
 
 
 def test_layer_contract_token_ids(tmp_path):
@@ -43,7 +61,9 @@ def test_token_embedding_scaled_plus_positions():
     table = to_numpy(layer.embeddings)
     expected = table[ids] * np.sqrt(6) + reference_encoding(4, 6)[0]
     np.testing.assert_allclose(output, expected, atol=1e-5)
-    unscaled = SinusoidalEmbedding(6, 9, scale_embeddings=False)
+    unscaled = SinusoidalEmbedding(
+        embedding_dim=6, vocabulary_size=9, scale_embeddings=False
+    )
     unscaled(ids)
     unscaled.set_weights(layer.get_weights())
     np.testing.assert_allclose(
@@ -66,7 +86,9 @@ def test_start_index_continues_the_positions():
 
 def test_masks_from_mask_zero_and_passed_through():
     ids = keras.Input((None,), dtype="int32")
-    masked = SinusoidalEmbedding(4, 10, mask_zero=True)(ids)
+    masked = SinusoidalEmbedding(embedding_dim=4, vocabulary_size=10, mask_zero=True)(
+        ids
+    )
     assert masked._keras_mask is not None
     x = keras.Input((None, 4))
     y = SinusoidalEmbedding()(keras.layers.Masking()(x))
@@ -76,33 +98,76 @@ def test_masks_from_mask_zero_and_passed_through():
     np.testing.assert_array_equal(to_numpy(model(data)), [[True, True, False]])
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"vocabulary_size": 10}, ValueError, "embedding_dim=None"),
-        ({"embedding_dim": 0, "vocabulary_size": 10}, ValueError, "embedding_dim=0"),
-        ({"embedding_dim": 4, "vocabulary_size": -1}, ValueError, "vocabulary_size=-1"),
-        ({"max_wavelength": 0}, ValueError, "max_wavelength=0"),
-        ({"max_wavelength": "big"}, TypeError, "max_wavelength='big'"),
-        ({"mask_zero": True}, ValueError, "mask_zero=True"),
-        (
-            {"embedding_dim": 4, "vocabulary_size": 9, "mask_zero": 1},
-            TypeError,
-            "mask_zero=1",
-        ),
-    ],
-)
-def test_bad_constructor_arguments(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        SinusoidalEmbedding(**kwargs)
+def test_float_ids_are_cast_as_keras_embedding_casts_them():
+    layer = SinusoidalEmbedding(vocabulary_size=10, embedding_dim=4)
+    ids = np.array([[1, 2, 9], [0, 3, 4]])
+    np.testing.assert_array_equal(
+        to_numpy(layer(ids.astype("float32"))), to_numpy(layer(ids.astype("int32")))
+    )
 
 
-def test_bad_inputs():
-    with pytest.raises(TypeError, match="inputs.dtype=float32"):
-        SinusoidalEmbedding(4, 10)(np.ones((2, 3), "float32"))
-    with pytest.raises(ValueError, match=r"rank 2.*inputs.shape=\(2, 3, 4\)"):
-        SinusoidalEmbedding(4, 10)(np.ones((2, 3, 4), "int32"))
-    with pytest.raises(ValueError, match=r"rank 3.*inputs.shape=\(2, 3\)"):
-        SinusoidalEmbedding()(np.ones((2, 3), "float32"))
-    with pytest.raises(ValueError, match="embedding_dim=5, input width=4"):
-        SinusoidalEmbedding(embedding_dim=5)(np.ones((2, 3, 4), "float32"))
+@pytest.mark.parametrize("ids, low, high", [([[1, 10]], 1, 10), ([[-2, 3]], -2, 3)])
+def test_ids_out_of_range_raise_in_eager_calls(ids, low, high):
+    layer = SinusoidalEmbedding(vocabulary_size=10, embedding_dim=4)
+    layer(np.array([[0, 9]]))
+    weights = [w.copy() for w in layer.get_weights()]
+    with pytest.raises(
+        ValueError,
+        match=rf"Token ids must be in \[0, vocabulary_size\) = \[0, 10\)\. "
+        rf"Received ids from {low} to {high}\.",
+    ):
+        layer(np.array(ids))
+    for before, after in zip(weights, layer.get_weights(), strict=True):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_embedding_takes_keyword_arguments_only():
+    with pytest.raises(
+        TypeError, match=r"keyword arguments only.*positional arguments \(16, 20\)"
+    ):
+        SinusoidalEmbedding(16, 20)
+    layer = SinusoidalEmbedding(vocabulary_size=20, embedding_dim=16)
+    assert (layer.vocabulary_size, layer.embedding_dim) == (20, 16)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6), (1, 2, 4, 6)])
+def test_float_inputs_get_keras_hubs_sine_position_encoding(shape):
+    keras_hub = pytest.importorskip("keras_hub")
+    x = random_floats(*shape)
+    theirs = to_numpy(
+        keras_hub.layers.SinePositionEncoding()(keras.ops.convert_to_tensor(x))
+    )
+    np.testing.assert_allclose(
+        to_numpy(SinusoidalEmbedding()(x)) - x, theirs, atol=1e-5
+    )
+
+
+def test_ids_of_higher_rank_get_positions_along_the_last_axis():
+    layer = SinusoidalEmbedding(vocabulary_size=11, embedding_dim=6)
+    ids = np.random.default_rng(0).integers(0, 11, (2, 3, 5))
+    output = to_numpy(layer(ids))
+    for i in range(3):
+        np.testing.assert_allclose(output[:, i], to_numpy(layer(ids[:, i])), atol=1e-6)
+    starts = np.array([0, 2], "int32")
+    shifted = to_numpy(layer(ids, start_index=starts))
+    np.testing.assert_allclose(
+        shifted[1, 2], to_numpy(layer(ids[1:, 2], start_index=2))[0], atol=1e-6
+    )
+
+
+def test_functional_model_with_float_id_inputs_trains():
+    """A `keras.Input` without `dtype="int32"` gives float ids, cast as
+    `keras.layers.Embedding` casts them."""
+    ids = keras.Input((None,))
+    x = SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=16, mask_zero=True)(
+        ids
+    )
+    x = TransformerDecoder(32, 4)(x)
+    model = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    data = token_ids(8, 5)
+    history = model.fit(data.astype("float32"), data, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"][-1])
+    np.testing.assert_array_equal(
+        to_numpy(model(data.astype("float32"))), to_numpy(model(data))
+    )

@@ -106,15 +106,18 @@ def copy_attention_weights(ours, reference):
             _numpy(reference.v_proj_weight),
         )
     biases = np.split(_numpy(reference.in_proj_bias), 3)
-    for name, weight, bias in zip(
-        ("query", "key", "value"), (query, key, value), biases, strict=True
+    for dense, weight, bias in zip(
+        (ours.query_dense, ours.key_dense, ours.value_dense),
+        (query, key, value),
+        biases,
+        strict=True,
     ):
         # torch: y = x @ W.T + b, and the output axis splits as (heads, head_dim).
-        _assign(getattr(ours, f"{name}_kernel"), weight.T.reshape(-1, heads, head_dim))
-        _assign(getattr(ours, f"{name}_bias"), bias.reshape(heads, head_dim))
+        _assign(dense.kernel, weight.T.reshape(-1, heads, head_dim))
+        _assign(dense.bias, bias.reshape(heads, head_dim))
     output = _numpy(reference.out_proj.weight)
-    _assign(ours.output_kernel, output.T.reshape(heads, head_dim, -1))
-    _assign(ours.output_bias, reference.out_proj.bias)
+    _assign(ours.output_dense.kernel, output.T.reshape(heads, head_dim, -1))
+    _assign(ours.output_dense.bias, reference.out_proj.bias)
 
 
 def _copy_dense(ours, linear):

@@ -1,3 +1,7 @@
+"""TransformerDecoder: the contract, causality, Keras masks, scores, and
+keras-hub's ways with caches. What both blocks share:
+tests/layers/test_block.py; bad arguments: tests/layers/test_arguments.py."""
+
 import keras
 import numpy as np
 import pytest
@@ -6,6 +10,7 @@ from keras_attn import SinusoidalEmbedding, TransformerDecoder
 from tests.helpers import random_floats, run_layer_contract, to_numpy
 
 B, T, S, WIDTH = 3, 5, 7, 12
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
 
 @pytest.mark.parametrize("normalize_first", [False, True])
@@ -79,8 +84,12 @@ def test_keras_masks_equal_explicit_padding_masks():
         keras.Input((None,), dtype="int32"),
         keras.Input((None,), dtype="int32"),
     )
-    target_embedding = SinusoidalEmbedding(WIDTH, 20, mask_zero=True)
-    source_embedding = SinusoidalEmbedding(8, 20, mask_zero=True)
+    target_embedding = SinusoidalEmbedding(
+        vocabulary_size=20, embedding_dim=WIDTH, mask_zero=True
+    )
+    source_embedding = SinusoidalEmbedding(
+        vocabulary_size=20, embedding_dim=8, mask_zero=True
+    )
     decoder = TransformerDecoder(16, 4)
     outputs = decoder(target_embedding(target_ids), source_embedding(source_ids))
     model = keras.Model([target_ids, source_ids], outputs)
@@ -124,50 +133,44 @@ def test_return_attention_scores():
     assert tuple(self_scores.shape) == (B, 4, T, T)
 
 
-def test_called_the_wrong_way():
-    x, memory = random_floats(B, T, WIDTH), random_floats(B, S, 8)
-    encoder_decoder = TransformerDecoder(16, 4)
-    encoder_decoder(x, memory)
-    with pytest.raises(
-        ValueError, match="built with cross-attention.*encoder_sequence=None"
-    ):
-        encoder_decoder(x)
-    decoder_only = TransformerDecoder(16, 4)
-    decoder_only(x)
-    with pytest.raises(
-        ValueError, match=r"decoder-only.*encoder_sequence.shape=\(3, 7, 8\)"
-    ):
-        decoder_only(x, memory)
-    with pytest.raises(ValueError, match="encoder_padding_mask.*needs cross-attention"):
-        decoder_only(x, encoder_padding_mask=np.ones((B, S), bool))
+def test_keras_hub_style_cross_attention_cache_with_an_update_index():
+    """keras-hub writes the encoder's keys and values into a given cross
+    cache at `cross_attention_cache_update_index` (caches heads-major here)."""
+    decoder = TransformerDecoder(16, 2, num_key_value_heads=1)
+    x, memory = random_floats(2, 5, 8, seed=1), random_floats(2, 4, 8, seed=2)
+    full = to_numpy(decoder(x, memory))
+    empty_self = decoder.get_empty_self_attention_cache(2, 5)
+    empty_cross = np.zeros((2, 2, 1, 4, 4), "float32")
+    output, self_cache, cross_cache = decoder(
+        x,
+        memory,
+        self_attention_cache=empty_self,
+        self_attention_cache_update_index=0,
+        cross_attention_cache=empty_cross,
+        cross_attention_cache_update_index=0,
+    )
+    np.testing.assert_allclose(to_numpy(output), full, **TOLERANCE)
+    np.testing.assert_allclose(
+        to_numpy(cross_cache),
+        to_numpy(decoder.compute_cross_attention_cache(memory)),
+        **TOLERANCE,
+    )
 
 
-def test_bad_masks_and_shapes():
-    x, memory = random_floats(B, T, WIDTH), random_floats(B, S, 8)
-    decoder = TransformerDecoder(16, 4)
-    decoder(x, memory)
-    cases = [
-        (
-            {"decoder_padding_mask": np.ones((B, S), bool)},
-            r"decoder_padding_mask.shape=\(3, 7\)",
-        ),
-        (
-            {"encoder_padding_mask": np.ones((B, T), bool)},
-            r"encoder_padding_mask.shape=\(3, 5\)",
-        ),
-        (
-            {"decoder_attention_mask": np.ones((B, T, S), bool)},
-            "decoder_attention_mask",
-        ),
-        (
-            {"encoder_attention_mask": np.ones((B, T, T), bool)},
-            "encoder_attention_mask",
-        ),
-    ]
-    for kwargs, match in cases:
-        with pytest.raises(ValueError, match=match):
-            decoder(x, memory, **kwargs)
-    with pytest.raises(ValueError, match="num_heads=5, input width=12"):
-        TransformerDecoder(16, 5)(x)
-    with pytest.raises(ValueError, match=r"decoder_sequence.shape=\(5, 12\)"):
-        TransformerDecoder(16, 4)(x[0])
+def test_cached_decoding_in_a_while_loop_as_in_keras_hub():
+    decoder = TransformerDecoder(16, 2)
+    x = random_floats(2, 5, 8)
+    full = to_numpy(decoder(x))
+    empty = decoder.get_empty_self_attention_cache(2, 5)
+
+    def body(i, outputs, cache):
+        step = keras.ops.slice(x, (0, i, 0), (2, 1, 8))
+        output, cache = decoder(
+            step, self_attention_cache=cache, self_attention_cache_update_index=i
+        )
+        return i + 1, keras.ops.slice_update(outputs, (0, i, 0), output), cache
+
+    _, outputs, _ = keras.ops.while_loop(
+        lambda i, outputs, cache: i < 5, body, (0, keras.ops.zeros_like(x), empty)
+    )
+    np.testing.assert_allclose(to_numpy(outputs), full, **TOLERANCE)

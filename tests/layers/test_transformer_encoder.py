@@ -1,3 +1,7 @@
+"""TransformerEncoder: the contract, Keras masks, scores, dropout. What both
+blocks share: tests/layers/test_block.py; bad arguments:
+tests/layers/test_arguments.py."""
+
 import keras
 import numpy as np
 import pytest
@@ -28,7 +32,9 @@ def test_layer_contract(tmp_path, normalize_first):
 
 def token_model(encoder, flash_attention=None):
     ids = keras.Input((None,), dtype="int32")
-    x = SinusoidalEmbedding(WIDTH, 20, mask_zero=True)(ids)
+    x = SinusoidalEmbedding(vocabulary_size=20, embedding_dim=WIDTH, mask_zero=True)(
+        ids
+    )
     return keras.Model(ids, encoder(x))
 
 
@@ -93,68 +99,3 @@ def test_dropout_active_only_in_training():
         to_numpy(encoder(x)), to_numpy(encoder(x, training=False)), atol=1e-6
     )
     assert not np.allclose(to_numpy(encoder(x, training=True)), to_numpy(encoder(x)))
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"intermediate_dim": 0, "num_heads": 2}, ValueError, "intermediate_dim=0"),
-        ({"intermediate_dim": 8, "num_heads": -2}, ValueError, "num_heads=-2"),
-        (
-            {"intermediate_dim": 8, "num_heads": 2, "dropout": 1.5},
-            ValueError,
-            "dropout=1.5",
-        ),
-        (
-            {"intermediate_dim": 8, "num_heads": 4, "num_key_value_heads": 3},
-            ValueError,
-            "num_key_value_heads=3",
-        ),
-        (
-            {"intermediate_dim": 8, "num_heads": 2, "layer_norm_epsilon": 0},
-            ValueError,
-            "layer_norm_epsilon=0",
-        ),
-        (
-            {"intermediate_dim": 8, "num_heads": 2, "normalize_first": "yes"},
-            TypeError,
-            "normalize_first='yes'",
-        ),
-        ({"intermediate_dim": "8", "num_heads": 2}, TypeError, "intermediate_dim='8'"),
-    ],
-)
-def test_bad_constructor_arguments(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        TransformerEncoder(**kwargs)
-
-
-def test_bad_call_arguments():
-    encoder = TransformerEncoder(16, 5)
-    with pytest.raises(ValueError, match="num_heads=5, input width=12"):
-        encoder(random_floats(B, T, WIDTH))
-    encoder = TransformerEncoder(16, 4)
-    with pytest.raises(ValueError, match=r"rank 3.*inputs.shape=\(3, 12\)"):
-        encoder(random_floats(B, WIDTH))
-    x = random_floats(B, T, WIDTH)
-    encoder(x)
-    with pytest.raises(ValueError, match=r"padding_mask.shape=\(3, 6\)"):
-        encoder(x, padding_mask=np.ones((B, T - 1), bool))
-    with pytest.raises(ValueError, match=r"attention_mask.shape=\(3, 7\)"):
-        encoder(x, attention_mask=np.ones((B, T), bool))
-
-
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("flash_attention", [None, False])
-def test_large_activations_stay_finite_in_mixed_precision(policy, flash_attention):
-    encoder = TransformerEncoder(
-        48, 4, dtype=policy, flash_attention=flash_attention, normalize_first=True
-    )
-    x = random_floats(2, 64, WIDTH, scale=300.0)
-    output = to_numpy(keras.ops.cast(encoder(x), "float32"))
-    assert np.all(np.isfinite(output))
-    reference = TransformerEncoder(48, 4, normalize_first=True)
-    reference(x)
-    reference.set_weights(encoder.get_weights())
-    expected = to_numpy(reference(x))
-    # Pre-norm keeps the residual stream at the input's scale: compare relatively.
-    np.testing.assert_allclose(output, expected, rtol=0.05, atol=0.05 * 300)

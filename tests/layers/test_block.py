@@ -1,0 +1,129 @@
+"""What both Transformer blocks share (keras_attn/layers/_block.py): the same
+numbers as keras-hub's blocks with keras-hub's weights, dropout on every
+branch, and gates, sliding windows and attention biases passed through."""
+
+import numpy as np
+import pytest
+
+import keras_attn
+from keras_attn import TransformerDecoder, TransformerEncoder
+from tests.helpers import masking_bias, random_floats, to_numpy
+
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+HUB_BLOCK = {"intermediate_dim": 24, "num_heads": 4, "activation": "gelu"}
+
+
+def hub_twins(name, normalize_first, *inputs):
+    """keras-hub's block and ours with keras-hub's weights."""
+    keras_hub = pytest.importorskip("keras_hub")
+    kwargs = {**HUB_BLOCK, "normalize_first": normalize_first}
+    theirs = getattr(keras_hub.layers, name)(**kwargs)
+    ours = {
+        "TransformerEncoder": TransformerEncoder,
+        "TransformerDecoder": TransformerDecoder,
+    }[name](**kwargs)
+    theirs(*inputs)
+    ours(*inputs)
+    ours.set_weights(theirs.get_weights())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_encoder_same_numbers_as_keras_hub(normalize_first):
+    x = random_floats(3, 5, 12, seed=1)
+    padding = np.arange(5)[None] < np.array([[5], [3], [1]])
+    ours, theirs = hub_twins("TransformerEncoder", normalize_first, x)
+    expected = to_numpy(theirs(x, padding_mask=padding))
+    np.testing.assert_allclose(
+        to_numpy(ours(x, padding_mask=padding)), expected, **TOLERANCE
+    )
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+@pytest.mark.parametrize("cross", [False, True], ids=["decoder-only", "cross"])
+def test_decoder_same_numbers_as_keras_hub(normalize_first, cross):
+    x, memory = random_floats(3, 5, 12, seed=1), random_floats(3, 7, 12, seed=2)
+    inputs = (x, memory) if cross else (x,)
+    ours, theirs = hub_twins("TransformerDecoder", normalize_first, *inputs)
+    masks = {"decoder_padding_mask": np.arange(5)[None] < np.array([[5], [3], [1]])}
+    if cross:
+        masks["encoder_padding_mask"] = np.arange(7)[None] < np.array([[7], [4], [2]])
+    expected = to_numpy(theirs(*inputs, **masks))
+    np.testing.assert_allclose(to_numpy(ours(*inputs, **masks)), expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
+def test_dropout_in_training_reaches_every_branch(block):
+    """keras-hub's `test_training_propagation`: with dropout ~1, each residual
+    branch vanishes and post-norm leaves the layer norms of the input."""
+    layer = block(4, 2, dropout=0.99999)
+    x = random_floats(1, 4, 6)
+    output = to_numpy(layer(x, training=True))
+    expected = layer.feedforward_layer_norm(layer.self_attention_layer_norm(x))
+    np.testing.assert_allclose(output, to_numpy(expected), atol=1e-5)
+
+
+def block_twins(block, inputs, **options):
+    """`block` with `options` and a plain twin with the same weights."""
+    special, plain = block(16, 4, **options), block(16, 4)
+    special(*inputs)
+    plain(*inputs)
+    if not options.get("use_gate"):
+        plain.set_weights(special.get_weights())
+    return special, plain
+
+
+@pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
+def test_sliding_window_in_the_blocks_equals_its_band_mask(block):
+    x = random_floats(2, 6, 8)
+    windowed, plain = block_twins(block, (x,), sliding_window=2)
+    band = np.broadcast_to(
+        to_numpy(keras_attn.ops.sliding_window_mask(6, 6, 2)), (2, 6, 6)
+    )
+    mask = {
+        TransformerEncoder: "attention_mask",
+        TransformerDecoder: "decoder_attention_mask",
+    }
+    np.testing.assert_allclose(
+        to_numpy(windowed(x)), to_numpy(plain(x, **{mask[block]: band})), **TOLERANCE
+    )
+    assert windowed.get_config()["sliding_window"] == 2
+
+
+def test_use_gate_gives_every_attention_sublayer_a_gate():
+    x, memory = random_floats(2, 3, 8), random_floats(2, 5, 8)
+    decoder = TransformerDecoder(16, 2, use_gate=True)
+    decoder(x, memory)
+    assert decoder.self_attention.gate_dense is not None
+    assert decoder.cross_attention.gate_dense is not None
+    assert len(decoder.weights) == 26 + 4  # keras-hub's 26, and two gates
+
+
+def test_attention_biases_reach_each_attention_sublayer():
+    x, memory = random_floats(2, 5, 8, seed=1), random_floats(2, 7, 8, seed=2)
+    rng = np.random.default_rng(0)
+    self_mask = rng.random((2, 1, 5, 5)) > 0.3
+    cross_mask = rng.random((2, 1, 5, 7)) > 0.3
+    self_mask[..., 0] = cross_mask[..., 0] = True
+    encoder = TransformerEncoder(16, 4)
+    np.testing.assert_allclose(
+        to_numpy(encoder(x, attention_bias=masking_bias(self_mask))),
+        to_numpy(encoder(x, attention_mask=self_mask[:, 0])),
+        **TOLERANCE,
+    )
+    decoder = TransformerDecoder(16, 4)
+    biased = decoder(
+        x,
+        memory,
+        decoder_attention_bias=masking_bias(self_mask),
+        encoder_attention_bias=masking_bias(cross_mask),
+    )
+    masked = decoder(
+        x,
+        memory,
+        decoder_attention_mask=self_mask[:, 0],
+        encoder_attention_mask=cross_mask[:, 0],
+    )
+    np.testing.assert_allclose(to_numpy(biased), to_numpy(masked), **TOLERANCE)
