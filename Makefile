@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[tensorflow,jax,torch,dev,examples]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[tensorflow,jax,torch,dev,examples,export]"
 	touch $@
 
 demo: $(BIN)/.installed

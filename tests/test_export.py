@@ -1,0 +1,153 @@
+"""`model.export(...)` of a model built from every keras_attn layer.
+
+Each exported artifact is loaded with its own runtime (TensorFlow, ONNX
+Runtime, LiteRT, `torch.export`) and compared with `model.predict`, on inputs
+of several shapes with padding and a fully padded row. Where Keras itself
+cannot export on this backend, the test pins Keras' error (listed in the
+README): it fails, and so asks for the README to be updated, when a Keras
+release changes that.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_attn
+from tests.helpers import BACKEND
+
+VOCAB = 50
+DYNAMIC = [keras.InputSpec(shape=(None, None), dtype="int32", name="token_ids")]
+FIXED = [keras.InputSpec(shape=(2, 8), dtype="int32", name="token_ids")]
+
+
+def every_layer_model():
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    x = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=16, mask_zero=True
+    )(ids)
+    encoded = keras_attn.TransformerEncoder(32, 4, num_key_value_heads=2)(x)
+    x = keras_attn.TransformerDecoder(32, 4, use_gate=True)(x, encoded)
+    x = keras_attn.MultiHeadAttention(2, sliding_window=3)(x, use_causal_mask=True)
+    return keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+
+
+def token_ids(shape, seed):
+    ids = np.random.default_rng(seed).integers(1, VOCAB, shape).astype("int32")
+    ids[0, shape[1] // 2 :] = 0  # right padding
+    if shape[0] > 1:
+        ids[-1] = 0  # a row of padding only
+    return ids
+
+
+@pytest.fixture(scope="module")
+def model():
+    keras.utils.set_random_seed(0)
+    return every_layer_model()
+
+
+def run_tf_saved_model(path):
+    import tensorflow as tf
+
+    artifact = tf.saved_model.load(path)
+    return lambda ids: artifact.serve(tf.constant(ids)).numpy()
+
+
+def run_onnx(path):
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return lambda ids: session.run(None, {name: ids})[0]
+
+
+def run_litert(path):
+    from ai_edge_litert.interpreter import Interpreter
+
+    def run(ids):
+        interpreter = Interpreter(model_path=path)
+        (tensor,) = interpreter.get_input_details()
+        interpreter.resize_tensor_input(tensor["index"], ids.shape)
+        interpreter.allocate_tensors()
+        interpreter.set_tensor(tensor["index"], ids)
+        interpreter.invoke()
+        return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+
+    return run
+
+
+def run_torch(path):
+    import torch
+
+    program = torch.export.load(path).module()
+    return lambda ids: program(torch.from_numpy(ids)).detach().numpy()
+
+
+RUNNERS = {
+    "tf_saved_model": ("", run_tf_saved_model),
+    "onnx": (".onnx", run_onnx),
+    "litert": (".tflite", run_litert),
+    "torch": (".pt2", run_torch),
+}
+
+# What works, per backend: format -> the input signatures it exports with.
+WORKS = {
+    "tensorflow": {"tf_saved_model": DYNAMIC, "onnx": DYNAMIC, "litert": DYNAMIC},
+    "jax": {"tf_saved_model": DYNAMIC, "onnx": FIXED},
+    "torch": {"onnx": FIXED, "torch": DYNAMIC},
+}
+
+
+def export_kwargs(format, signature):
+    kwargs = {"format": format, "verbose": False, "input_signature": signature}
+    if format == "torch":  # torch.export pins unknown dims to 1 without these
+        from torch.export import Dim
+
+        kwargs["dynamic_shapes"] = {0: Dim("batch", max=64), 1: Dim("length", max=512)}
+    return kwargs
+
+
+@pytest.mark.parametrize("format", sorted(WORKS[BACKEND]))
+def test_exported_artifact_gives_predicts_outputs(model, format, tmp_path):
+    signature = WORKS[BACKEND][format]
+    suffix, runner = RUNNERS[format]
+    path = str(tmp_path / f"model{suffix}")
+    model.export(path, **export_kwargs(format, signature))
+    run = runner(path)
+    shapes = [(2, 8)] if signature is FIXED else [(2, 8), (3, 11), (1, 5)]
+    for seed, shape in enumerate(shapes):
+        ids = token_ids(shape, seed)
+        expected = model.predict(ids, verbose=0)
+        np.testing.assert_allclose(run(ids), expected, atol=1e-5, rtol=1e-5)
+
+
+# Keras' own limits (keras.layers.MultiHeadAttention and keras-hub's layers
+# share them): (backend, format, signature) -> (error, message).
+REFUSED = {
+    **{
+        (backend, "torch", "dynamic"): (ValueError, "requires PyTorch backend")
+        for backend in ("tensorflow", "jax")
+    },
+    ("jax", "litert", "dynamic"): (
+        ValueError,
+        "LiteRT export requires TensorFlow or PyTorch backend",
+    ),
+    ("jax", "onnx", "dynamic"): (ValueError, "Incompatible shapes for broadcasting"),
+    ("torch", "tf_saved_model", "dynamic"): (
+        RuntimeError,
+        "Detected mismatch between the structure of `inputs` and `dynamic_shapes`",
+    ),
+    ("torch", "onnx", "dynamic"): (RuntimeError, "Failed to export a node"),
+    ("torch", "litert", "dynamic"): (ImportError, "litert-torch"),
+}
+
+
+@pytest.mark.parametrize(
+    "format, signature",
+    [(f, s) for b, f, s in REFUSED if b == BACKEND],
+)
+def test_keras_cannot_export_this_yet(model, format, signature, tmp_path):
+    error, message = REFUSED[(BACKEND, format, signature)]
+    suffix, _ = RUNNERS[format]
+    path = str(tmp_path / f"model{suffix}")
+    with pytest.raises(error, match=message):
+        model.export(path, **export_kwargs(format, DYNAMIC))
