@@ -29,6 +29,9 @@ What it shows:
 - `.keras` save and load, then translations by the reloaded model.
 - A heatmap of one cross-attention head (`--output`/cross_attention.png): which
   English word pieces each French word piece looked at.
+- With `--quantize int8` (or `int4`): `model.quantize`, the share of the
+  parameters converted, the quantized model's held-out exact match, and its
+  `.keras` round trip.
 
 Your own parallel corpus: `--data pairs.tsv` reads `source<TAB>target` lines
 (the Tatoeba / manythings.org Anki format; further columns are ignored),
@@ -88,6 +91,13 @@ def parse_args():
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--decode-batch-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="After the float evaluation, quantize the model (`model.quantize`), "
+        "report how many parameters were converted, evaluate it again and save "
+        "and reload it. (float8 keeps float kernels, scaled in the matmuls.)",
+    )
     return parser.parse_args()
 
 
@@ -496,6 +506,46 @@ def save_and_reload(model, path, inputs):
     return restored
 
 
+def quantized_share(model, float_parameters):
+    """The share of the float model's parameters that quantization converted
+    to integers: those no longer stored as floats (quantization scales and zero
+    points, which it adds, do not count)."""
+    added = ("_scale", "_zero", "g_idx")
+    still_float = sum(
+        int(np.prod(w.shape))
+        for w in model.weights
+        if "float" in keras.backend.standardize_dtype(w.dtype)
+        and not w.path.endswith(added)
+    )
+    return 1 - still_float / float_parameters
+
+
+def quantize_and_evaluate(model, data, args):
+    """`model.quantize(args.quantize)`, then the held-out exact match, and a
+    `.keras` round trip of the quantized model."""
+    float_parameters = model.count_params()
+    model.quantize(args.quantize)
+    share = quantized_share(model, float_parameters)
+    print(
+        f"quantized to {args.quantize}: {100 * share:.1f}% of the "
+        f"{float_parameters:,} parameters converted"
+    )
+    exact, chrf_score, _ = evaluate(
+        model,
+        data.target_tokenizer,
+        data.test_inputs,
+        data.test_target,
+        data.decode_length,
+        args.decode_batch_size,
+    )
+    path = os.path.join(args.output, f"translate_numbers_{args.quantize}.keras")
+    save_and_reload(model, path, data.test_inputs)
+    print(
+        f"{args.quantize} held-out exact match: {100 * exact:.1f}%, "
+        f"chrF {chrf_score:.1f}"
+    )
+
+
 def show_translations(model, data, count):
     """Translate the first held-out sentences; the output ids of each."""
     tokens = translate(model, data.test_inputs[:count], data.decode_length, count)
@@ -547,6 +597,8 @@ def main():
         picture,
     )
     print(f"cross-attention of head {head} for {data.test_source[row]!r}: {picture}")
+    if args.quantize:
+        quantize_and_evaluate(restored, data, args)
     print(f"held-out exact match: {100 * exact:.1f}% (n={len(data.test_inputs)})")
 
 

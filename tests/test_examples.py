@@ -33,11 +33,16 @@ EXAMPLES = {
         rf"held-out exact match: {PERCENT} \(n=20\)",
         ("translate_numbers.keras", "cross_attention.png", "target_vocabulary.txt"),
     ),
-    "translate_tsv": (
+    "translate_tsv": (  # also quantized: the int8 model is saved too
         "translate_numbers.py",
-        [*TINY_TRANSLATOR, "--data", "{output}/pairs.tsv"],
+        [*TINY_TRANSLATOR, "--data", "{output}/pairs.tsv", "--quantize", "int8"],
         rf"held-out exact match: {PERCENT} \(n=8\)",  # 10% of the 80 pairs
-        ("translate_numbers.keras", "cross_attention.png", "source_vocabulary.txt"),
+        (
+            "translate_numbers.keras",
+            "translate_numbers_int8.keras",
+            "cross_attention.png",
+            "source_vocabulary.txt",
+        ),
     ),
     "vit_digits": (
         "vit_digits.py",
