@@ -42,7 +42,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def keras_attn_model():
     ids = keras.Input((None,), dtype="int32")
-    x = keras_attn.SinusoidalEmbedding(WIDTH, VOCAB)(ids)
+    x = keras_attn.SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=WIDTH)(ids)
     for _ in range(LAYERS):
         x = keras_attn.TransformerDecoder(FFN, HEADS, normalize_first=True)(x)
     x = keras.layers.LayerNormalization()(x)
