@@ -174,6 +174,10 @@ def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0
     >>> keras.ops.convert_to_numpy(bias)[0, 0].tolist()
     [[0.0, -0.0625, -0.125], [-0.0625, 0.0, -0.0625], [-0.125, -0.0625, 0.0]]
     """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(
+            f"`num_heads` must be a positive int. Received: {num_heads!r}."
+        )
     slopes = _alibi_slopes(num_heads, max_bias).astype("float32")
     offsets = _offsets(query_length, key_length, query_offset)
     minus_distance = ops.cast(
@@ -344,12 +348,10 @@ def _fused_attention(query, key, value, mask, bias, is_causal, flash_attention):
     the bias then (as the dtype's lowest value where it forbids attention).
     """
     if bias is not None:
+        if mask is not None:  # in float32 (bfloat16 has no numpy finfo)
+            lowest = np.finfo("float32").min
+            bias, mask = ops.where(mask, ops.cast(bias, "float32"), lowest), None
         bias = ops.cast(bias, query.dtype)
-        if mask is not None:
-            lowest = ops.cast(
-                np.finfo(keras.backend.standardize_dtype(query.dtype)).min, query.dtype
-            )
-            bias, mask = ops.where(mask, bias, lowest), None
     return ops.dot_product_attention(
         query,
         key,
@@ -393,8 +395,10 @@ def dot_product_attention(
         value: `(B, S, K, Dv)`, or `(B, K, S, Dv)` with `heads_major`.
         mask: optional bool of rank 2 `(T, S)`, 3 `(B, T, S)` or 4
             `(B, H, T, S)`, broadcastable; True = may attend.
-        bias: optional float, broadcastable to `(B, H, T, S)`, added to the
-            scaled logits (e.g. `alibi_bias`).
+        bias: optional float, broadcastable to `(B, H, T, S)` as numpy
+            broadcasts (so a rank-3 bias is `(H, T, S)`, unlike a rank-3
+            mask), added to the scaled logits (e.g. `alibi_bias`). Keep it
+            finite; mask with `mask`.
         is_causal: bool. Also apply a lower-triangular mask (query `i` sees
             keys `j <= i`). Defaults to `False`.
         scale: float. Logit scale; defaults to `1 / sqrt(D)`.

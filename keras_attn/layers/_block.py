@@ -6,6 +6,7 @@ from keras import ops
 from keras_attn.layers._utils import (
     ConfigCheck,
     check_bool,
+    check_flash_attention,
     check_float,
     check_positive_float,
     check_positive_int,
@@ -78,13 +79,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         self.flash_attention = check_bool(
             "flash_attention", flash_attention, allow_none=True
         )
-        if self.flash_attention and self.dropout > 0:
-            raise ValueError(
-                "`flash_attention=True` needs the fused flash kernel, which "
-                "cannot apply dropout to the attention weights. Received: "
-                f"flash_attention=True, dropout={dropout}. Pass dropout=0.0, or "
-                "flash_attention=None (fused kernels where possible)."
-            )
+        check_flash_attention(self.flash_attention, self.dropout)
         self.use_gate = check_bool("use_gate", use_gate)
         self.sliding_window = check_positive_int(
             "sliding_window", sliding_window, allow_none=True

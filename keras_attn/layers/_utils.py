@@ -134,6 +134,27 @@ def check_width(name, shape, width):
         )
 
 
+def check_flash_attention(flash_attention, dropout):
+    """Raise if `flash_attention=True` comes with dropout, which the flash
+    kernel cannot apply to the attention weights."""
+    if flash_attention and dropout > 0:
+        raise ValueError(
+            "`flash_attention=True` needs the fused flash kernel, which "
+            "cannot apply dropout to the attention weights. Received: "
+            f"flash_attention=True, dropout={dropout}. Pass dropout=0.0, or "
+            "flash_attention=None (fused kernels where possible)."
+        )
+
+
+def concrete_value(tensor):
+    """`tensor` as numpy where it holds values (an eager call), else `None`:
+    tracers, graph tensors and torch.export's fake tensors have none yet."""
+    try:
+        return ops.convert_to_numpy(tensor)
+    except (TypeError, NotImplementedError, RuntimeError):
+        return None
+
+
 def check_index(name, index, length, size):
     """Raise unless `index` is an int (or scalar int tensor) where `length`
     positions fit in `size`; where both are known, for Python ints."""
@@ -151,7 +172,10 @@ def check_index(name, index, length, size):
                 f"`{name}` must be an int or a scalar int tensor. Received: "
                 f"{name}.dtype={dtype}, {name}.shape={tuple(index.shape)}."
             )
-        return
+        index = concrete_value(index)  # checked in eager calls only
+        if index is None:
+            return
+        index = int(index)
     if index < 0 or (_known(length) and _known(size) and index + length > size):
         raise ValueError(
             f"`{name}` must leave room for the {length} new positions in the "

@@ -11,6 +11,7 @@ from keras_attn.layers._utils import (
     ConfigCheck,
     check_bool,
     check_broadcastable,
+    check_flash_attention,
     check_float,
     check_index,
     check_mask,
@@ -259,12 +260,12 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 "`num_key_value_heads` must divide `num_heads`. Received: "
                 f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
             )
-        if self.flash_attention and self.dropout > 0:
+        check_flash_attention(self.flash_attention, self.dropout)
+        if self.flash_attention and _differ(self.value_dim or key_dim, key_dim):
             raise ValueError(
-                "`flash_attention=True` needs the fused flash kernel, which "
-                "cannot apply dropout to the attention weights. Received: "
-                f"flash_attention=True, dropout={dropout}. Pass dropout=0.0, or "
-                "flash_attention=None (fused kernels where possible)."
+                "`flash_attention=True` needs the fused flash kernel, which needs "
+                "values of the keys' width. Received: flash_attention=True, "
+                f"key_dim={key_dim}, value_dim={value_dim}."
             )
         self.supports_masking = True
         # Set by a block that checks the inputs it passes on (each tensor is
@@ -276,7 +277,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     def build(self, query_shape, value_shape=None, key_shape=None):
         value_shape = query_shape if value_shape is None else value_shape
         key_shape = value_shape if key_shape is None else key_shape
-        self._axes = self._check_shapes(query_shape, value_shape, key_shape)
+        axes = self._check_shapes(query_shape, value_shape, key_shape)
         query_width = query_shape[-1]
         if self.key_dim is None and query_width % self.num_heads:
             raise ValueError(
@@ -285,6 +286,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 f"query width={query_width}. Pass `key_dim` explicitly or choose "
                 "a divisor of the width."
             )
+        self._axes = axes
         self._widths = {
             "query": query_width,
             "key": key_shape[-1],
@@ -750,10 +752,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             self._check_cache(cache, query.shape[0])
             key_inner = (key_inner[0], cache.shape[3])
             if cache_update_index is not None:
-                check_index(
+                check_index(  # the new keys are written from there
                     "cache_update_index",
                     cache_update_index,
-                    query.shape[1],
+                    key.shape[1],
                     cache.shape[3],
                 )
         elif cache_update_index is not None:

@@ -15,6 +15,7 @@ from keras_attn.layers._utils import (
     check_positive_int,
     check_width,
     clone_initializer,
+    concrete_value,
     dtype_config,
     enable_lora,
     get_keras_object,
@@ -218,12 +219,10 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         calls. Traced tensors (compiled graphs) have no values to check."""
         if any(dim == 0 for dim in inputs.shape):
             return
-        try:
-            low, high = ops.convert_to_numpy(
-                ops.stack([ops.min(inputs), ops.max(inputs)])
-            )
-        except (TypeError, NotImplementedError, RuntimeError):
-            return  # a tracer, a graph tensor or torch.export's fake tensor
+        extremes = concrete_value(ops.stack([ops.min(inputs), ops.max(inputs)]))
+        if extremes is None:
+            return
+        low, high = extremes
         if low < 0 or high >= self.vocabulary_size:
             raise ValueError(
                 "Token ids must be in [0, vocabulary_size) = "

@@ -532,3 +532,39 @@ def test_flash_attention_true_refuses_what_it_cannot_do():
             keras_attn.ops.dot_product_attention(
                 q, q, q, flash_attention=True, **kwargs
             )
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_bias_with_a_mask_in_half_precision(policy):
+    layer = MultiHeadAttention(2, dtype=policy)
+    x = random_floats(2, 5, 8)
+    padding = np.array([[True] * 5, [True, True, True, False, False]])
+    bias = keras_attn.ops.alibi_bias(2, 5, 5)
+    output = layer(x, value_mask=padding, attention_bias=bias)
+    reference = MultiHeadAttention(2)
+    reference(x)
+    reference.set_weights(layer.get_weights())
+    expected = reference(x, value_mask=padding, attention_bias=bias)
+    np.testing.assert_allclose(
+        to_numpy(keras.ops.cast(output, "float32")), to_numpy(expected), atol=0.05
+    )
+
+
+def test_cache_writes_are_checked_against_the_keys_they_write():
+    """A cross-attention cache takes the whole source from the index on; a
+    tensor index is checked too, in eager calls."""
+    layer = MultiHeadAttention(2)
+    query, memory = random_floats(2, 1, 8), random_floats(2, 6, 8)
+    layer(query, memory)
+    cache = np.zeros((2, 2, 2, 6, 4), "float32")
+    layer(query, memory, cache=cache, cache_update_index=0)
+    with pytest.raises(ValueError, match=r"room for the 6 new positions.*=3"):
+        layer(query, memory, cache=cache, cache_update_index=3)
+    index = keras.ops.convert_to_tensor(1, dtype="int32")
+    with pytest.raises(ValueError, match=r"room for the 6 new positions.*=1"):
+        layer(query, memory, cache=cache, cache_update_index=index)
+
+
+def test_flash_attention_true_needs_values_of_the_keys_width():
+    with pytest.raises(ValueError, match=r"key_dim=4, value_dim=3"):
+        MultiHeadAttention(2, key_dim=4, value_dim=3, flash_attention=True)
