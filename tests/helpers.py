@@ -1,4 +1,5 @@
-"""Shared test helpers: the layer contract every public layer must satisfy."""
+"""Shared test helpers: the layer contract every public layer must satisfy,
+the float64 references, and small makers of inputs."""
 
 import inspect
 import os
@@ -6,6 +7,13 @@ import warnings
 
 import keras
 import numpy as np
+
+from keras_attn import (
+    MultiHeadAttention,
+    SinusoidalEmbedding,
+    TransformerDecoder,
+    TransformerEncoder,
+)
 
 BACKEND = keras.backend.backend()
 
@@ -43,6 +51,28 @@ def random_floats(*shape, seed=0, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(
         "float32"
     )
+
+
+# The arguments each layer cannot do without.
+REQUIRED_ARGUMENTS = {
+    MultiHeadAttention: {"num_heads": 2},
+    TransformerEncoder: {"intermediate_dim": 8, "num_heads": 2},
+    TransformerDecoder: {"intermediate_dim": 8, "num_heads": 2},
+    SinusoidalEmbedding: {},
+}
+VOCAB = 11  # vocabulary of the token-id tests, a size no other axis has
+
+
+def random_ids(*shape, seed=0, high=VOCAB):
+    """Int32 token ids in [1, high): no padding."""
+    return np.random.default_rng(seed).integers(1, high, shape).astype("int32")
+
+
+def padded_ids(*shape, seed=0):
+    """`random_ids` whose first row is padding (id 0) from its middle on."""
+    ids = random_ids(*shape, seed=seed)
+    ids[0, shape[1] // 2 :] = 0
+    return ids
 
 
 def functional_model(layer, inputs, call_kwargs=None):
@@ -297,11 +327,36 @@ def check_dtype_policy_map(layer_cls, init_kwargs, inputs, call_kwargs, tmp_path
 EPS32 = 2.0**-24
 
 
+def dot_product_reference(query, key, value, mask=None, bias=None):
+    """softmax(QK^T / sqrt(D) + bias) V in float64, the formula of
+    `keras_attn.ops.dot_product_attention`.
+
+    `query` `(B, T, H, D)`; `key`, `value` `(B, S, K, D|Dv)` with `K` dividing
+    `H` (query head `h` uses key/value head `h // (H // K)`); `mask`: bool
+    broadcastable to `(B, H, T, S)`, True where attention is allowed; `bias`:
+    float broadcastable to `(B, H, T, S)`. Returns `(context (B, T, H, Dv),
+    weights (B, H, T, S))`; a query row that may attend to no key gives zeros
+    (the documented behaviour), not NaN.
+    """
+    group = query.shape[2] // key.shape[2]
+    key, value = np.repeat(key, group, axis=2), np.repeat(value, group, axis=2)
+    logits = np.einsum("bthd,bshd->bhts", query, key) / np.sqrt(query.shape[-1])
+    if bias is not None:
+        logits = logits + bias
+    if mask is not None:
+        logits = np.where(mask, logits, -np.inf)
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+    weights = np.nan_to_num(weights, nan=0.0)  # rows with no allowed key
+    return np.einsum("bhts,bshd->bthd", weights, value), weights
+
+
 def attention_reference(layer, query, value, mask=None, bias=None):
     """softmax(QK^T / sqrt(d_k) + bias) V W_O from a MultiHeadAttention's own
-    weights, in float64. `mask`: bool broadcastable to `(B, H, T, S)`, the
-    same for every head; a query row that may attend to no key gives the
-    output bias alone (the layer's documented behaviour), not NaN."""
+    weights, in float64. `mask`: bool broadcastable to `(B, H, T, S)`; a query
+    row that may attend to no key gives the output bias alone (the layer's
+    documented behaviour), not NaN."""
     w = {
         name: {
             p: to_numpy(getattr(dense, p)).astype(np.float64)
@@ -317,23 +372,8 @@ def attention_reference(layer, query, value, mask=None, bias=None):
     q = np.einsum("btd,dhk->bthk", query, w["q"]["kernel"]) + w["q"]["bias"]
     k = np.einsum("bsd,dhk->bshk", value, w["k"]["kernel"]) + w["k"]["bias"]
     v = np.einsum("bsd,dhk->bshk", value, w["v"]["kernel"]) + w["v"]["bias"]
-    group = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    logits = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
-    if bias is not None:
-        logits = logits + bias
-    if mask is not None:
-        logits = np.where(mask, logits, -np.inf)
-    with np.errstate(invalid="ignore"):
-        weights = np.exp(logits - logits.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
-    context = np.einsum("bhts,bshk->bthk", weights, v)
-    output = np.einsum("bthk,hko->bto", context, w["o"]["kernel"]) + w["o"]["bias"]
-    if mask is None:
-        return output
-    shape = (query.shape[0], 1, query.shape[1], value.shape[1])
-    empty = ~np.broadcast_to(mask, shape).any(-1)[:, 0]  # (B, T)
-    return np.where(empty[..., None], w["o"]["bias"], output)
+    context, _ = dot_product_reference(q, k, v, mask, bias)
+    return np.einsum("bthk,hko->bto", context, w["o"]["kernel"]) + w["o"]["bias"]
 
 
 def reference_encoding(length, dim, max_wavelength=10000.0, start=0):

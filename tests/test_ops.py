@@ -10,6 +10,7 @@ from keras_attn import ops as attn_ops
 from tests.helpers import (
     BACKEND,
     EPS32,
+    dot_product_reference,
     random_floats,
     reference_encoding,
     to_numpy,
@@ -71,16 +72,6 @@ def test_merge_attention_masks_ands_masks_of_every_rank():
         attn_ops.merge_attention_masks(padding[0])
 
 
-def numpy_attention(q, k, v, mask):
-    group = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
-    logits = np.where(mask, logits, -np.inf)
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    return np.einsum("bhts,bshd->bthd", weights, v)
-
-
 @pytest.mark.parametrize("flash_attention", [None, False])
 @pytest.mark.parametrize("kv_heads", [3, 1])
 def test_dot_product_attention_matches_numpy_with_masks(flash_attention, kv_heads):
@@ -88,7 +79,7 @@ def test_dot_product_attention_matches_numpy_with_masks(flash_attention, kv_head
     k, v = (random_floats(2, 5, kv_heads, 4, seed=s) for s in (1, 2))
     padding = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
     mask = padding[:, None, None, :] & np.tril(np.ones((5, 5), bool))
-    expected = numpy_attention(q, k, v, mask)
+    expected, _ = dot_product_reference(q, k, v, mask)
     for padding_mask in (padding[:, None, None, :], padding[:, None, :]):  # ranks 4, 3
         out = attn_ops.dot_product_attention(
             q, k, v, mask=padding_mask, is_causal=True, flash_attention=flash_attention
@@ -99,7 +90,7 @@ def test_dot_product_attention_matches_numpy_with_masks(flash_attention, kv_head
         q, k, v, mask=causal, flash_attention=flash_attention
     )
     np.testing.assert_allclose(
-        to_numpy(out), numpy_attention(q, k, v, causal), atol=1e-5, rtol=1e-5
+        to_numpy(out), dot_product_reference(q, k, v, causal)[0], atol=1e-5, rtol=1e-5
     )
 
 
@@ -184,3 +175,22 @@ def test_the_dispatch_table(fused_calls, kwargs, value_dim, fused):
     v = random_floats(*k.shape[:-1], value_dim)
     keras_attn.ops.dot_product_attention(q, k, v, **kwargs)
     assert bool(fused_calls) == fused
+
+
+@pytest.mark.parametrize(
+    "kwargs, value_width, refused",
+    [
+        ({"return_scores": True}, 4, "returning the attention weights"),
+        ({"dropout": lambda weights: weights}, 4, "dropout"),
+        ({}, 3, "values of another width"),
+    ],
+)
+def test_flash_attention_true_refuses_what_the_flash_kernel_cannot_do(
+    kwargs, value_width, refused
+):
+    q = random_floats(2, 3, 2, 4)
+    v = random_floats(2, 3, 2, value_width)
+    with pytest.raises(
+        ValueError, match=rf"`flash_attention=True` needs the fused.*{refused}"
+    ):
+        attn_ops.dot_product_attention(q, q, v, flash_attention=True, **kwargs)

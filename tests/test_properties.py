@@ -10,7 +10,7 @@ on JAX); `derandomize=True` makes every run (and CI) test the same examples.
 import keras
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from keras_attn import MultiHeadAttention
@@ -62,6 +62,19 @@ def attention_cases(draw):
     return case
 
 
+def keras_bias_misfires(case):
+    """Whether a projection has heads of width 1 as many as its positions."""
+    key_width = case["key_dim"] or case["query_width"] // case["heads"]
+    value_width = case["value_dim"] or key_width
+    kv_heads = case["kv_heads"] or case["heads"]
+    projections = [
+        (case["heads"], key_width, case["query_length"]),
+        (kv_heads, key_width, case["key_length"]),
+        (kv_heads, value_width, case["key_length"]),
+    ]
+    return any(w == 1 and 1 < h == n for h, w, n in projections)
+
+
 def inputs_and_masks(case):
     batch, t, s = case["batch"], case["query_length"], case["key_length"]
     rng = np.random.default_rng(case["seed"])
@@ -85,6 +98,9 @@ def inputs_and_masks(case):
 @SETTINGS
 @given(attention_cases())
 def test_multi_head_attention_equals_numpy_reference(case):
+    # On TensorFlow the layer refuses heads of width 1 as many as the positions
+    # (a Keras bug, see test_heads_of_width_one_as_many_as_the_positions).
+    assume(BACKEND != "tensorflow" or not keras_bias_misfires(case))
     query, value, kwargs, allowed = inputs_and_masks(case)
     layer = MultiHeadAttention(
         num_heads=case["heads"],

@@ -92,6 +92,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
       to each projection).
     - Bad arguments raise `TypeError` for wrong types, `ValueError` for wrong
       values.
+    - On TensorFlow, heads of width 1 with biases raise a `ValueError` when
+      the length equals the number of heads: Keras 3.15 adds such a bias
+      along the positions there, and its layer gives wrong numbers.
 
     Args:
         num_heads: int. Number of query heads.
@@ -435,7 +438,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 use_causal_mask, return_attention_scores,
             )  # fmt: skip
         fold = self._axes.fold  # inputs of rank > 3 become sequences
-        q = self.query_dense(fold(query))  # (B, T, H, D)
+        q = self._project(self.query_dense, fold(query))  # (B, T, H, D)
         k, v, cache = self._keys_and_values(
             fold(key), fold(value), cache, cache_update_index
         )  # (B, S, K, D), or (B, K, S, D) from a cache
@@ -456,7 +459,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
         if self.use_gate:
-            context = context * self.gate_dense(fold(query))
+            context = context * self._project(self.gate_dense, fold(query))
         output = self._axes.unfold(
             self.output_dense(context), query, len(self._output_shape or (1,))
         )
@@ -465,6 +468,30 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         outputs = (output,) + ((scores,) if return_attention_scores else ())
         outputs += (cache,) if cache is not None else ()
         return outputs[0] if len(outputs) == 1 else outputs
+
+    @staticmethod
+    def _project(dense, x):
+        """`dense(x)`, `(B, T, width)` -> `(B, T, heads, dim)`.
+
+        Raises where Keras would add the bias on the wrong axis: on TensorFlow,
+        `keras.ops.add` adds a bias of shape `(heads, 1)` along axis 1 (the
+        positions) when there are as many positions as heads.
+        """
+        bias_shape = () if dense.bias is None else tuple(dense.bias.shape)
+        if (
+            keras.backend.backend() == "tensorflow"
+            and len(bias_shape) == 2
+            and bias_shape[1] == 1
+            and 1 < bias_shape[0] == x.shape[1]
+        ):
+            raise ValueError(
+                f"On TensorFlow, Keras adds the bias of `{dense.name}` (heads of "
+                "width 1) along the wrong axis when the length equals the number "
+                f"of heads. Received: length={x.shape[1]}, "
+                f"heads={bias_shape[0]}, head width=1. Use heads of width > 1 "
+                "(key_dim/value_dim), use_bias=False, or another backend."
+            )
+        return dense(x)
 
     @staticmethod
     def _resolve_inputs(query, value, key, value_mask, query_mask, mask, cache):
@@ -484,7 +511,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         `(B, 2, K, S, D)`.
         """
         if cache is None or cache_update_index is not None:
-            k, v = self.key_dense(key), self.value_dense(value)
+            k = self._project(self.key_dense, key)
+            v = self._project(self.value_dense, value)
             if cache is None:
                 return k, v, None
             update = ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
@@ -577,7 +605,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     def _project_cache(self, value, key=None):
         """`compute_cache` of inputs already checked by the caller."""
         key = value if key is None else key
-        k, v = self.key_dense(key), self.value_dense(value)  # (B, S, K, D)
+        k = self._project(self.key_dense, key)  # (B, S, K, D)
+        v = self._project(self.value_dense, value)
         return ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
 
     def get_empty_cache(self, batch_size, max_length, dtype=None):

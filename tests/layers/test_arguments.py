@@ -1,7 +1,8 @@
 """Bad arguments, table-driven: every constructor and call argument of the four
-layers, given a wrong type, an out-of-range value, a wrong rank or a wrong
-shape, raises a `ValueError` or `TypeError` that names the argument and what
-was received, before any state changes."""
+layers, given a wrong type, an out-of-range value (token ids included), a wrong
+rank or a wrong shape, or by position where it is keyword only, raises a
+`ValueError` or `TypeError` that names the argument and what was received,
+before any state changes."""
 
 import re
 
@@ -14,16 +15,11 @@ from keras_attn import (
     TransformerDecoder,
     TransformerEncoder,
 )
-from tests.helpers import random_floats, to_numpy
+from tests.helpers import REQUIRED_ARGUMENTS, VOCAB, random_floats, random_ids, to_numpy
 
 # Distinct sizes, so that a swapped axis cannot pass: batch, query/target
 # length, key/source length, width, value/source width.
 B, T, S, W, VW = 2, 3, 5, 8, 6
-VOCAB = 11
-
-
-def ints(*shape, high=VOCAB):
-    return np.random.default_rng(0).integers(1, high, shape).astype("int32")
 
 
 def bools(*shape):
@@ -41,13 +37,6 @@ def assert_unchanged(before, after):
 
 
 # --- 1. The battery: constructors ---------------------------------------------
-
-REQUIRED = {
-    MultiHeadAttention: {"num_heads": 2},
-    TransformerEncoder: {"intermediate_dim": 8, "num_heads": 2},
-    TransformerDecoder: {"intermediate_dim": 8, "num_heads": 2},
-    SinusoidalEmbedding: {},
-}
 
 
 def init_row(cls, kwargs, error, match):
@@ -109,6 +98,13 @@ def attention_rows(cls):
         init_row(cls, {"num_heads": 4, "num_key_value_heads": 3}, ValueError, divide),
         *rate_rows(cls),
         *bool_rows(cls, "flash_attention", allow_none=True),
+        init_row(
+            cls,
+            {"flash_attention": True, "dropout": 0.1},
+            ValueError,
+            r"`flash_attention=True` needs.*dropout.*flash_attention=True, "
+            r"dropout=0.1",
+        ),
         *bool_rows(cls, "use_gate"),
         *positive_int_rows(cls, "sliding_window"),
         *keras_object_rows(cls, "kernel_initializer"),
@@ -154,6 +150,39 @@ MHA_ONLY_ROWS = [
     *positive_int_rows(MultiHeadAttention, "output_dim"),
     init_row(MultiHeadAttention, {"output_shape": 0}, ValueError, r"output_shape=0"),
     init_row(MultiHeadAttention, {"output_shape": "8"}, TypeError, r"output_shape='8'"),
+    init_row(
+        MultiHeadAttention,
+        {"output_shape": 8.0},
+        TypeError,
+        r"`output_shape` must be None, an int or a tuple.*8.0",
+    ),
+    init_row(
+        MultiHeadAttention,
+        {"output_shape": (8, 0)},
+        ValueError,
+        r"`output_shape` must hold positive ints.*\(8, 0\)",
+    ),
+    init_row(
+        MultiHeadAttention,
+        {"output_shape": 4, "output_dim": 8},
+        ValueError,
+        r"`output_dim` is another name.*output_shape=\(4,\), output_dim=8",
+    ),
+    init_row(
+        MultiHeadAttention,
+        {"attention_axes": "2"},
+        TypeError,
+        r"`attention_axes` must be None, an int or.*attention_axes='2'",
+    ),
+    init_row(MultiHeadAttention, {"attention_axes": ()}, TypeError, r"axes=\(\)"),
+    init_row(MultiHeadAttention, {"attention_axes": (1.5,)}, TypeError, r"=\(1.5,\)"),
+    init_row(MultiHeadAttention, {"attention_axes": True}, TypeError, r"axes=True"),
+    init_row(
+        MultiHeadAttention,
+        {"key_dim": 4, "value_dim": 3, "flash_attention": True},
+        ValueError,
+        r"`flash_attention=True` needs.*keys' width.*key_dim=4, value_dim=3",
+    ),
     *bool_rows(MultiHeadAttention, "use_bias"),
     *keras_object_rows(MultiHeadAttention, "kernel_regularizer"),
     *keras_object_rows(MultiHeadAttention, "bias_regularizer"),
@@ -176,8 +205,44 @@ CONSTRUCTOR_ROWS = [
 @pytest.mark.parametrize("cls, kwargs, error, match", CONSTRUCTOR_ROWS)
 def test_bad_constructor_argument(cls, kwargs, error, match):
     with pytest.raises(error, match=match) as info:
-        cls(**{**REQUIRED[cls], **kwargs})
+        cls(**{**REQUIRED_ARGUMENTS[cls], **kwargs})
     assert type(info.value) is error  # not a subclass from deep inside
+
+
+# Keras' (or keras-hub's) arguments in their order, then one more: the first
+# keyword-only argument (keras_attn's own), which must not be taken by position.
+MHA_POSITIONAL = (2, None, None, 0.0, True, None, None, None, None)
+MHA_POSITIONAL += ("glorot_uniform", "zeros", None, None, None, None, None, False, None)
+BLOCK_POSITIONAL = (8, 2, 0.0, "relu", 1e-5, "glorot_uniform", "zeros", False)
+TOO_MANY = r"positional arguments but \d+ were given"
+KEYWORD_ONLY_ROWS = [
+    (MultiHeadAttention, MHA_POSITIONAL, "num_key_value_heads", 1, {}, TOO_MANY),
+    (TransformerEncoder, BLOCK_POSITIONAL, "key_dim", 4, {}, TOO_MANY),
+    (TransformerDecoder, BLOCK_POSITIONAL, "key_dim", 4, {}, TOO_MANY),
+    (
+        SinusoidalEmbedding,
+        (),
+        "vocabulary_size",
+        11,
+        {"embedding_dim": 8},
+        r"SinusoidalEmbedding takes keyword arguments only.*vocabulary_size=\.\.\."
+        r".*Received positional arguments \(11,\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "cls, positional, name, value, kwargs, match",
+    KEYWORD_ONLY_ROWS,
+    ids=[row[0].__name__ for row in KEYWORD_ONLY_ROWS],
+)
+def test_keyword_only_arguments_refuse_a_position(
+    cls, positional, name, value, kwargs, match
+):
+    with pytest.raises(TypeError, match=match):
+        cls(*positional, value, **kwargs)
+    layer = cls(*positional, **{name: value}, **kwargs)
+    assert getattr(layer, name) == value
 
 
 # --- 1. The battery: calls ----------------------------------------------------
@@ -237,7 +302,7 @@ def decoder_only():
 
 def token_embedding():
     layer = built(SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=W), (B, T))
-    return layer, {"inputs": ints(B, T)}
+    return layer, {"inputs": random_ids(B, T)}
 
 
 def float_embedding():
@@ -365,9 +430,9 @@ CALL_ROWS = [
     rank_row(mha_cross, "query", random_floats(B, T, W, 1)),
     rank_row(mha_cross, "value", random_floats(B, VW)),
     rank_row(mha_cross, "key", random_floats(B, S, VW, 1)),
-    dtype_row(mha_cross, "query", ints(B, T, W)),
-    dtype_row(mha_cross, "value", ints(B, S, VW)),
-    dtype_row(mha_cross, "key", ints(B, S, VW)),
+    dtype_row(mha_cross, "query", random_ids(B, T, W)),
+    dtype_row(mha_cross, "value", random_ids(B, S, VW)),
+    dtype_row(mha_cross, "key", random_ids(B, S, VW)),
     width_row(mha_cross, "query", random_floats(B, T, W + 2), W),
     width_row(mha_cross, "value", random_floats(B, S, VW + 1), VW),
     width_row(mha_cross, "key", random_floats(B, S, VW + 1), VW),
@@ -411,7 +476,20 @@ CALL_ROWS = [
     ),
     *cache_rows(mha_cached, "cache", "cache_update_index", (B, 2, 2, 6, 2)),
     # SinusoidalEmbedding.
-    rank_row(token_embedding, "inputs", ints(B), TOKEN_IDS),
+    rank_row(token_embedding, "inputs", random_ids(B), TOKEN_IDS),
+    *(
+        call_row(
+            token_embedding,
+            {"inputs": np.array(ids, "int32")},
+            ValueError,
+            rf"Token ids must be in \[0, vocabulary_size\) = \[0, {VOCAB}\)\. "
+            rf"Received ids from {low} to {high}\.",
+        )
+        for ids, low, high in (
+            ([[1, 2, VOCAB], [0, 3, 4]], 0, VOCAB),
+            ([[-2, 3, 1], [1, 1, 1]], -2, 3),
+        )
+    ),
     call_row(token_embedding, {"start_index": 1.5}, TypeError, "start_index=1.5"),
     call_row(token_embedding, {"start_index": "0"}, TypeError, "start_index='0'"),
     call_row(
@@ -438,12 +516,12 @@ CALL_ROWS = [
         random_floats(B, T),
         r"\(batch, length, width\) floats",
     ),
-    dtype_row(float_embedding, "inputs", ints(B, T, W)),
+    dtype_row(float_embedding, "inputs", random_ids(B, T, W)),
     width_row(float_embedding, "inputs", random_floats(B, T, W - 1), W),
     # TransformerEncoder.
     rank_row(encoder, "inputs", random_floats(B, W)),
     rank_row(encoder, "inputs", random_floats(B, T, W, 1)),
-    dtype_row(encoder, "inputs", ints(B, T, W)),
+    dtype_row(encoder, "inputs", random_ids(B, T, W)),
     width_row(encoder, "inputs", random_floats(B, T, W + 4), W),
     *mask_rows(encoder, "padding_mask", (B, T)),
     *mask_rows(encoder, "attention_mask", (B, T, T)),
@@ -457,8 +535,8 @@ CALL_ROWS = [
     # TransformerDecoder.
     rank_row(decoder, "decoder_sequence", random_floats(B, W)),
     rank_row(decoder, "encoder_sequence", random_floats(B, VW)),
-    dtype_row(decoder, "decoder_sequence", ints(B, T, W)),
-    dtype_row(decoder, "encoder_sequence", ints(B, S, VW)),
+    dtype_row(decoder, "decoder_sequence", random_ids(B, T, W)),
+    dtype_row(decoder, "encoder_sequence", random_ids(B, S, VW)),
     width_row(decoder, "decoder_sequence", random_floats(B, T, W + 2), W),
     width_row(decoder, "encoder_sequence", random_floats(B, S, VW + 1), VW),
     call_row(
@@ -547,6 +625,20 @@ CALL_ROWS = [
         ValueError,
         r"`query` must have rank 3.*query.shape=\(2, 8\)",
     ),
+    *(
+        call_row(
+            unbuilt(MultiHeadAttention, num_heads=2, key_dim=2, attention_axes=axes),
+            {"query": random_floats(B, T, S, W)},
+            ValueError,
+            rf"`attention_axes` must name distinct axes.*{match}",
+        )
+        for axes, match in (
+            ((3,), r"in \[1, 2\] or \[-3, -2\].*attention_axes=\(3,\)"),
+            ((0,), r"attention_axes=\(0,\)"),
+            ((-1,), r"attention_axes=\(-1,\)"),
+            ((2, -2), r"attention_axes=\(2, -2\)"),
+        )
+    ),
     call_row(
         unbuilt(TransformerEncoder, intermediate_dim=8, num_heads=3),
         {"inputs": random_floats(B, T, W)},
@@ -567,7 +659,7 @@ CALL_ROWS = [
     ),
     call_row(
         unbuilt(SinusoidalEmbedding, embedding_dim=W, vocabulary_size=VOCAB),
-        {"inputs": ints(B)},
+        {"inputs": random_ids(B)},
         ValueError,
         r"`inputs` must have rank 2 or more.*inputs.shape=\(2,\)",
     ),

@@ -15,8 +15,10 @@ from keras_attn import (
     TransformerEncoder,
 )
 from tests.helpers import (
+    VOCAB,
     attention_reference,
     random_floats,
+    random_ids,
     reference_encoding,
     to_numpy,
 )
@@ -25,11 +27,6 @@ from tests.helpers import (
 pytestmark = pytest.mark.filterwarnings("ignore:You are using a softmax over axis -1")
 
 B, T, S, W, VW = 2, 3, 5, 8, 6
-VOCAB = 11
-
-
-def ints(*shape, high=VOCAB):
-    return np.random.default_rng(0).integers(1, high, shape).astype("int32")
 
 
 @pytest.mark.parametrize("flash_attention", [None, False])
@@ -144,7 +141,7 @@ def test_large_activations_in_mixed_precision(policy, scale):
         decoder, reference = twins(TransformerDecoder, kwargs, policy, x, memory)
         assert_mostly_close(decoder(x, memory), reference(x, memory), tolerance)
     far = 60_000  # positions far beyond float16's integers
-    ids = ints(B, 6)
+    ids = random_ids(B, 6)
     initializer = keras.initializers.RandomNormal(stddev=scale, seed=3)
     kwargs = {"embedding_dim": 16, "vocabulary_size": VOCAB}
     kwargs["embeddings_initializer"] = initializer

@@ -1,6 +1,7 @@
 """SinusoidalEmbedding: the contract, the paper's encoding, token ids (float
-ids cast, out-of-range ids refused in eager calls), masks, positions of inputs
-of any rank. Bad arguments: tests/layers/test_arguments.py."""
+ids cast as `keras.layers.Embedding` casts them), masks, positions of inputs of
+any rank. Bad arguments (out-of-range ids and positional arguments included):
+tests/layers/test_arguments.py."""
 
 import keras
 import numpy as np
@@ -9,20 +10,13 @@ import pytest
 from keras_attn import SinusoidalEmbedding, TransformerDecoder
 from tests.helpers import (
     EPS32,
+    VOCAB,
+    padded_ids,
     random_floats,
     reference_encoding,
     run_layer_contract,
     to_numpy,
 )
-
-TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
-VOCAB = 11
-
-
-def token_ids(*shape, seed=0):
-    ids = np.random.default_rng(seed).integers(1, VOCAB, shape).astype("int32")
-    ids[0, shape[1] // 2 :] = 0  # padding
-    return ids
 
 
 def test_layer_contract_token_ids(tmp_path):
@@ -106,30 +100,6 @@ def test_float_ids_are_cast_as_keras_embedding_casts_them():
     )
 
 
-@pytest.mark.parametrize("ids, low, high", [([[1, 10]], 1, 10), ([[-2, 3]], -2, 3)])
-def test_ids_out_of_range_raise_in_eager_calls(ids, low, high):
-    layer = SinusoidalEmbedding(vocabulary_size=10, embedding_dim=4)
-    layer(np.array([[0, 9]]))
-    weights = [w.copy() for w in layer.get_weights()]
-    with pytest.raises(
-        ValueError,
-        match=rf"Token ids must be in \[0, vocabulary_size\) = \[0, 10\)\. "
-        rf"Received ids from {low} to {high}\.",
-    ):
-        layer(np.array(ids))
-    for before, after in zip(weights, layer.get_weights(), strict=True):
-        np.testing.assert_array_equal(before, after)
-
-
-def test_embedding_takes_keyword_arguments_only():
-    with pytest.raises(
-        TypeError, match=r"keyword arguments only.*positional arguments \(16, 20\)"
-    ):
-        SinusoidalEmbedding(16, 20)
-    layer = SinusoidalEmbedding(vocabulary_size=20, embedding_dim=16)
-    assert (layer.vocabulary_size, layer.embedding_dim) == (20, 16)
-
-
 @pytest.mark.parametrize("shape", [(2, 4, 6), (1, 2, 4, 6)])
 def test_float_inputs_get_keras_hubs_sine_position_encoding(shape):
     keras_hub = pytest.importorskip("keras_hub")
@@ -165,7 +135,7 @@ def test_functional_model_with_float_id_inputs_trains():
     x = TransformerDecoder(32, 4)(x)
     model = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    data = token_ids(8, 5)
+    data = padded_ids(8, 5)
     history = model.fit(data.astype("float32"), data, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"][-1])
     np.testing.assert_array_equal(
