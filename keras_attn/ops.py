@@ -15,6 +15,7 @@ __all__ = [
     "causal_mask",
     "dot_product_attention",
     "merge_attention_masks",
+    "rotary_embedding",
     "sinusoidal_position_encoding",
     "sliding_window_mask",
 ]
@@ -64,6 +65,76 @@ def sinusoidal_position_encoding(
     angles = ops.expand_dims(positions, -1) * ops.convert_to_tensor(inverse_frequency)
     even = ops.convert_to_tensor(channels % 2 == 0)
     return ops.cast(ops.where(even, ops.sin(angles), ops.cos(angles)), dtype)
+
+
+def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
+    """Rotary position embedding (Su et al. 2021), LLaMA's "rotate half" form.
+
+    Channel `i` of the first half and channel `i` of the second half of each
+    head form a pair, rotated by the angle `position / scaling_factor *
+    max_wavelength**(-2i / D)`: `x1 cos - x2 sin`, `x2 cos + x1 sin`. This is
+    the convention of LLaMA and keras-hub's `RotaryEmbedding`. The inverse
+    frequencies are rounded once from float64 and the angles are computed in
+    float32 (as `sinusoidal_position_encoding` does), so every backend rotates
+    by the same float32 angles; the result has the dtype of `x`.
+
+    Args:
+        x: float tensor `(B, T, H, D)` with an even `D`.
+        positions: int or float tensor `(T,)` (every row) or `(B, T)` (per
+            row, e.g. left-padded prompts).
+        max_wavelength: float > 0. Base of the wavelengths. Defaults to
+            `10000.0`.
+        scaling_factor: float > 0. Positions are divided by it (linear
+            position interpolation, for contexts longer than trained on).
+            Defaults to `1.0`.
+
+    Returns:
+        Tensor of the shape and dtype of `x`.
+
+    Example:
+    >>> x = np.ones((1, 3, 2, 4), "float32")
+    >>> y = keras_attn.ops.rotary_embedding(x, np.arange(3))
+    >>> tuple(y.shape)
+    (1, 3, 2, 4)
+    >>> bool(np.allclose(keras.ops.convert_to_numpy(y)[0, 0], 1.0))  # position 0
+    True
+    """
+    dim = x.shape[-1]
+    if len(x.shape) != 4 or dim is None or dim % 2:
+        raise ValueError(
+            "`rotary_embedding` needs `x` of shape (batch, length, heads, dim) "
+            "with an even, known `dim` (channels rotate in pairs). "
+            f"Received: x.shape={tuple(x.shape)}."
+        )
+    positions = ops.cast(ops.convert_to_tensor(positions), "float32")
+    if len(positions.shape) not in (1, 2):
+        raise ValueError(
+            "`positions` must be (length,) or (batch, length). "
+            f"Received: positions.shape={tuple(positions.shape)}."
+        )
+    for name, value in (
+        ("max_wavelength", max_wavelength),
+        ("scaling_factor", scaling_factor),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(
+                f"`{name}` must be a number > 0. Received: {name}={value!r}."
+            )
+    inverse_frequency = np.power(
+        float(max_wavelength), -np.arange(0, dim, 2) / dim, dtype=np.float64
+    ) / float(scaling_factor)
+    if len(positions.shape) == 1:
+        positions = ops.expand_dims(positions, 0)  # (1, T)
+    angles = ops.expand_dims(positions, -1) * ops.convert_to_tensor(
+        inverse_frequency.astype("float32")
+    )  # (B|1, T, D/2)
+    angles = ops.expand_dims(ops.concatenate([angles, angles], axis=-1), 2)
+    cos, sin = ops.cos(angles), ops.sin(angles)  # (B|1, T, 1, D)
+    x1, x2 = ops.split(x, 2, axis=-1)
+    rotated = ops.concatenate([-x2, x1], axis=-1)
+    x32 = ops.cast(x, "float32")
+    output = x32 * cos + ops.cast(rotated, "float32") * sin
+    return ops.cast(output, x.dtype)
 
 
 def _offsets(query_length, key_length, query_offset):
@@ -244,16 +315,16 @@ def _zero_empty_rows(output, probs, has_key):
     return output, probs
 
 
-def _uses_fused_kernel(query, value, flash_attention, dropout, scores):
+def _uses_fused_kernel(query, value, flash_attention, dropout, scores, soft_cap):
     """The dispatcher: `keras.ops.dot_product_attention` (fused) or the explicit path.
 
     The rules, in order. Correctness limits first: where `flash_attention=True`
     asks for what they rule out, it raises rather than falling back.
 
     1. `flash_attention=False`: explicit.
-    2. Dropout on the weights (training), returning the weights, or values of
-       another width than the keys: explicit; with `flash_attention=True`, a
-       `ValueError`.
+    2. Dropout on the weights (training), returning the weights, values of
+       another width than the keys, or soft-capped logits: explicit; with
+       `flash_attention=True`, a `ValueError`.
     3. `flash_attention=True`: fused (the backend raises where it has no
        flash kernel, e.g. on a CPU or under TensorFlow).
     4. TensorFlow: explicit. Keras has no fused TensorFlow kernel, and its op
@@ -271,6 +342,7 @@ def _uses_fused_kernel(query, value, flash_attention, dropout, scores):
         "values of another width than the keys": _differ(
             value.shape[-1], query.shape[-1]
         ),
+        "soft-capped logits": soft_cap is not None,
     }
     needs_explicit = [reason for reason, applies in reasons.items() if applies]
     if flash_attention is False or (needs_explicit and flash_attention is None):
@@ -308,8 +380,8 @@ def _masked_softmax(logits, mask, dtype):
     return ops.cast(ops.softmax(logits, axis=-1), dtype)
 
 
-def _explicit_attention(query, key, value, mask, bias, dropout, heads_major):
-    """Materialized softmax(QK^T + bias) V, logits and softmax in float32.
+def _explicit_attention(query, key, value, mask, bias, dropout, heads_major, soft_cap):
+    """Materialized softmax(cap(QK^T) + bias) V, logits and softmax in float32.
 
     `query` `(B, T, H, D)` (already scaled); `key`, `value` `(B, S, K, D)`, or
     `(B, K, S, D)` with `heads_major`. Returns `(output (B, T, H, Dv),
@@ -329,6 +401,8 @@ def _explicit_attention(query, key, value, mask, bias, dropout, heads_major):
         )
     logits = ops.einsum(scores_equation, query, ops.cast(key, "float32"))
     logits = ops.reshape(logits, (batch, num_heads, query_length, key_length))
+    if soft_cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+        logits = ops.tanh(logits / soft_cap) * soft_cap
     if bias is not None:
         logits = logits + ops.cast(bias, "float32")
     probs = _masked_softmax(logits, mask, value.dtype)
@@ -376,6 +450,7 @@ def dot_product_attention(
     dropout=None,
     return_scores=False,
     heads_major=False,
+    logit_soft_cap=None,
 ):
     """Scaled dot-product attention, softmax(QK^T * scale + bias) V, safely masked.
 
@@ -411,6 +486,9 @@ def dot_product_attention(
             dropout). Defaults to `False`.
         heads_major: bool. Keys and values are `(B, K, S, D)`, the layout of
             the key/value caches. Defaults to `False`.
+        logit_soft_cap: optional float > 0. Soft-caps the scaled logits to
+            `cap * tanh(logits / cap)` before the bias and the softmax (Gemma
+            2); it needs the explicit path. Defaults to `None`.
 
     Returns:
         `(B, T, H, Dv)`, or `(output, weights)` with `return_scores=True`.
@@ -427,7 +505,9 @@ def dot_product_attention(
     query = ops.multiply(query, ops.cast(scale, query.dtype))
     query_length = ops.shape(query)[1]
     key_length = ops.shape(key)[2 if heads_major else 1]
-    fused = _uses_fused_kernel(query, value, flash_attention, dropout, return_scores)
+    fused = _uses_fused_kernel(
+        query, value, flash_attention, dropout, return_scores, logit_soft_cap
+    )
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
@@ -447,7 +527,7 @@ def dot_product_attention(
         probs = None
     else:
         output, probs = _explicit_attention(
-            query, key, value, mask, bias, dropout, heads_major
+            query, key, value, mask, bias, dropout, heads_major, logit_soft_cap
         )
     output, probs = _zero_empty_rows(output, probs, has_key)
     return (output, probs) if return_scores else output

@@ -48,6 +48,72 @@ def test_sinusoid_interleaves_sin_and_cos():
     )
 
 
+def rotary_reference(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
+    """Rotate-half RoPE in float64, from its definition; and the angles."""
+    dim = x.shape[-1]
+    inverse = np.power(max_wavelength, -np.arange(0, dim, 2) / dim) / scaling_factor
+    angles = np.asarray(positions, np.float64)[..., None] * inverse  # (..., T, D/2)
+    angles = np.concatenate([angles, angles], -1)
+    angles = angles[..., None, :] if angles.ndim == 3 else angles[None, :, None, :]
+    half = dim // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * np.cos(angles) + rotated * np.sin(angles), angles
+
+
+@pytest.mark.parametrize(
+    "positions, dim, max_wavelength, scaling_factor",
+    [
+        (np.arange(7), 8, 10000.0, 1.0),
+        (np.arange(8192), 64, 10000.0, 1.0),  # long contexts
+        (np.arange(8192), 16, 500000.0, 8.0),  # LLaMA 3's base, interpolated
+        (np.array([[0, 1, 2], [5, 6, 7]]), 4, 100.0, 1.0),  # per row
+    ],
+)
+def test_rotary_embedding_matches_the_formula(
+    positions, dim, max_wavelength, scaling_factor
+):
+    x = random_floats(2, positions.shape[-1], 3, dim).astype(np.float64)
+    rotated = to_numpy(
+        attn_ops.rotary_embedding(
+            x.astype("float32"), positions, max_wavelength, scaling_factor
+        )
+    )
+    expected, angles = rotary_reference(x, positions, max_wavelength, scaling_factor)
+    assert rotated.dtype == np.float32 and rotated.shape == x.shape
+    # Float32 angles carry ~2 roundings (frequency, product); each output sums
+    # two products of |x| <= max|x| with the cosine and the sine.
+    bound = 2 * np.max(np.abs(x)) * (3 * EPS32 * np.abs(angles) + 2e-7) + 1e-6
+    assert np.all(np.abs(rotated - expected) <= bound)
+    small = np.broadcast_to(np.abs(angles) < 8, x.shape)
+    np.testing.assert_allclose(rotated[small], expected[small], atol=2e-6)
+
+
+def test_rotary_embedding_keeps_norms_and_half_precision():
+    x = random_floats(1, 5, 2, 8)
+    rotated = to_numpy(attn_ops.rotary_embedding(x, np.arange(5) * 100))
+    np.testing.assert_allclose(
+        np.linalg.norm(rotated, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5
+    )
+    half = attn_ops.rotary_embedding(keras.ops.cast(x, "bfloat16"), np.arange(5))
+    assert keras.backend.standardize_dtype(half.dtype) == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "x, positions, kwargs, match",
+    [
+        (random_floats(1, 3, 2, 5), np.arange(3), {}, r"even.*x.shape=\(1, 3, 2, 5\)"),
+        (random_floats(3, 2, 4), np.arange(3), {}, r"x.shape=\(3, 2, 4\)"),
+        (random_floats(1, 3, 2, 4), np.zeros((1, 1, 3)), {}, r"positions.shape"),
+        (random_floats(1, 3, 2, 4), np.arange(3), {"scaling_factor": 0}, r"=0"),
+        (random_floats(1, 3, 2, 4), np.arange(3), {"max_wavelength": -1.0}, r"-1.0"),
+    ],
+    ids=["odd-dim", "rank-3", "positions-rank-3", "scaling-0", "wavelength-negative"],
+)
+def test_rotary_embedding_bad_arguments(x, positions, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        attn_ops.rotary_embedding(x, positions, **kwargs)
+
+
 def test_causal_mask_with_offset():
     mask = to_numpy(attn_ops.causal_mask(2, 5, query_offset=3))
     np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])

@@ -5,6 +5,7 @@ before any state changes), config checks on load, initializer cloning, the
 import inspect
 import numbers
 import re
+import types
 
 import keras
 from keras import ops
@@ -82,8 +83,10 @@ def check_rate(name, value):
     return float(value)
 
 
-def check_positive_float(name, value):
-    """Raise unless `value` is a real number > 0."""
+def check_positive_float(name, value, allow_none=False):
+    """Raise unless `value` is a real number > 0 (or `None` when allowed)."""
+    if value is None and allow_none:
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"`{name}` must be a positive float. "
@@ -103,6 +106,20 @@ def check_bool(name, value, allow_none=False):
         raise TypeError(
             f"`{name}` must be {expected}. "
             f"Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    return value
+
+
+def check_one_of(name, value, options):
+    """Raise unless `value` is one of the strings `options`."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"`{name}` must be one of {list(options)}. "
+            f"Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if value not in options:
+        raise ValueError(
+            f"`{name}` must be one of {list(options)}. Received: {name}={value!r}."
         )
     return value
 
@@ -134,9 +151,9 @@ def check_width(name, shape, width):
         )
 
 
-def check_flash_attention(flash_attention, dropout):
-    """Raise if `flash_attention=True` comes with dropout, which the flash
-    kernel cannot apply to the attention weights."""
+def check_flash_attention(flash_attention, dropout, logit_soft_cap=None):
+    """Raise if `flash_attention=True` comes with dropout or soft-capped
+    logits, which the flash kernel cannot compute."""
     if flash_attention and dropout > 0:
         raise ValueError(
             "`flash_attention=True` needs the fused flash kernel, which "
@@ -144,6 +161,39 @@ def check_flash_attention(flash_attention, dropout):
             f"flash_attention=True, dropout={dropout}. Pass dropout=0.0, or "
             "flash_attention=None (fused kernels where possible)."
         )
+    if flash_attention and logit_soft_cap is not None:
+        raise ValueError(
+            "`flash_attention=True` needs the fused flash kernel, which "
+            "cannot soft-cap the logits. Received: flash_attention=True, "
+            f"logit_soft_cap={logit_soft_cap}. Pass flash_attention=None."
+        )
+
+
+def namespace(arguments):
+    """A call's `locals()` as attributes, without `self`."""
+    return types.SimpleNamespace(**{k: v for k, v in arguments.items() if k != "self"})
+
+
+def check_positions(positions, batch, length, rope_max_wavelength):
+    """Raise unless `positions` is a real tensor `(length,)` or `(batch, length)`
+    for a layer with rotary positions."""
+    if positions is None:
+        return
+    if rope_max_wavelength is None:
+        raise ValueError(
+            "`positions` are rotary positions, and this layer has none: create "
+            "it with `rope_max_wavelength`. Received: positions of shape "
+            f"{tuple(getattr(positions, 'shape', ()))}, rope_max_wavelength=None."
+        )
+    if not hasattr(positions, "dtype"):
+        positions = ops.convert_to_tensor(positions)
+    dtype = keras.backend.standardize_dtype(positions.dtype)
+    if dtype == "bool" or "complex" in dtype:
+        raise TypeError(
+            "`positions` must hold int or float positions. "
+            f"Received: positions.dtype={dtype}."
+        )
+    check_mask("positions", positions, {1: (length,), 2: (batch, length)})
 
 
 def concrete_value(tensor):

@@ -15,6 +15,8 @@ from keras_attn.layers._utils import (
     check_float,
     check_index,
     check_mask,
+    check_positions,
+    check_positive_float,
     check_positive_int,
     check_rank,
     check_rate,
@@ -26,6 +28,7 @@ from keras_attn.layers._utils import (
     enable_lora,
     get_keras_object,
     leaf_dtype,
+    namespace,
 )
 
 
@@ -134,6 +137,22 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             multi-query attention. Defaults to `num_heads`.
         output_dim: int, keyword only. The same as an int `output_shape` (the
             name of keras_attn 0.1).
+        rope_max_wavelength: float, keyword only. Rotate queries and keys by
+            their positions after projection (rotary position embeddings, Su
+            et al. 2021; `keras_attn.ops.rotary_embedding`) with this base.
+            Needs inputs of rank 3 and an even `key_dim`. Defaults to `None`
+            (no rotation).
+        rope_scaling_factor: float, keyword only. Positions are divided by it
+            (linear position interpolation). Defaults to `1.0`.
+        normalize_qk: bool, keyword only. RMS-normalize queries and keys per
+            head (sublayers `query_norm`, `key_norm`, Keras'
+            `RMSNormalization`) before the rotation and the dot product, as in
+            Gemma 3 and OLMo 2. Defaults to `False`.
+        qk_norm_epsilon: float, keyword only. Epsilon of the QK-norms.
+            Defaults to `1e-6`.
+        logit_soft_cap: float, keyword only. Soft-cap the scaled logits to
+            `cap * tanh(logits / cap)` before the softmax (Gemma 2); it runs on
+            the explicit path. Defaults to `None`.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -167,6 +186,12 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         cache_update_index: optional int or scalar int tensor: write the new
             keys and values into `cache` from this position; the queries sit
             there too. Without it, `cache` holds precomputed keys and values.
+        positions: optional int tensor `(query_length,)` or
+            `(batch, query_length)`: the rotary positions of the queries (and,
+            in self-attention, of the new keys), e.g. per row for left-padded
+            prompts. Defaults to `cache_update_index` (or 0) onwards; keys of
+            another sequence count from there on their own. Used with
+            `rope_max_wavelength` only.
         mask: filled in by Keras with the query's Keras mask when the query is
             the only tensor argument (self-attention); in self-attention it masks
             the keys as `value_mask` does.
@@ -218,6 +243,11 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         *,
         num_key_value_heads=None,
         output_dim=None,
+        rope_max_wavelength=None,
+        rope_scaling_factor=1.0,
+        normalize_qk=False,
+        qk_norm_epsilon=1e-6,
+        logit_soft_cap=None,
         **kwargs,
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -263,7 +293,18 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 "`num_key_value_heads` must divide `num_heads`. Received: "
                 f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
             )
-        check_flash_attention(self.flash_attention, self.dropout)
+        self.rope_max_wavelength = check_positive_float(
+            "rope_max_wavelength", rope_max_wavelength, allow_none=True
+        )
+        self.rope_scaling_factor = check_positive_float(
+            "rope_scaling_factor", rope_scaling_factor
+        )
+        self.normalize_qk = check_bool("normalize_qk", normalize_qk)
+        self.qk_norm_epsilon = check_positive_float("qk_norm_epsilon", qk_norm_epsilon)
+        self.logit_soft_cap = check_positive_float(
+            "logit_soft_cap", logit_soft_cap, allow_none=True
+        )
+        check_flash_attention(self.flash_attention, self.dropout, self.logit_soft_cap)
         if self.flash_attention and _differ(self.value_dim or key_dim, key_dim):
             raise ValueError(
                 "`flash_attention=True` needs the fused flash kernel, which needs "
@@ -290,6 +331,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 "a divisor of the width."
             )
         self._axes = axes
+        self._check_rope(
+            rank=len(query_shape), key_dim=self.key_dim or query_width // self.num_heads
+        )
         self._widths = {
             "query": query_width,
             "key": key_shape[-1],
@@ -313,6 +357,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             "value", value_shape[-1], kv_heads, self._value_head_dim
         )
         self.output_dense = self._output_projection(query_width)
+        self.query_norm = self.key_norm = None
+        if self.normalize_qk:  # after Keras' sublayers: the same weights first
+            self.query_norm = self._head_norm("query_norm")
+            self.key_norm = self._head_norm("key_norm")
         self._attention_dropout = keras.layers.Dropout(
             self.dropout,
             seed=self.seed,
@@ -359,6 +407,26 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 f"query_shape={tuple(query_shape)}, value_shape={tuple(value_shape)}."
             )
         return axes
+
+    def _check_rope(self, rank, key_dim):
+        if self.rope_max_wavelength is None:
+            return
+        if rank != 3 or key_dim % 2:
+            raise ValueError(
+                "Rotary position embeddings (`rope_max_wavelength`) need inputs "
+                "of rank 3, (batch, length, width), and an even `key_dim` "
+                f"(channels rotate in pairs). Received: inputs of rank {rank}, "
+                f"key_dim={key_dim}."
+            )
+
+    def _head_norm(self, name):
+        """RMSNorm over each head's channels (QK-norm, as in Gemma 3)."""
+        norm = keras.layers.RMSNormalization(
+            epsilon=self.qk_norm_epsilon, dtype=leaf_dtype(self, name), name=name
+        )
+        norm.supports_masking = True  # per position, as the projections
+        norm.build((None, None, None, self._head_dim))
+        return norm
 
     def _sublayer_kwargs(self, name):
         return dict(
@@ -426,21 +494,22 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         attention_bias=None,
         cache=None,
         cache_update_index=None,
+        positions=None,
         mask=None,
     ):
+        self_attention = value is None
         value, key, value_mask = self._resolve_inputs(
             query, value, key, value_mask, query_mask, mask, cache
         )
         if not self._inputs_checked_by_caller:
-            self._check_call(
-                query, value, key, query_mask, value_mask, key_mask, attention_mask,
-                attention_bias, cache, cache_update_index, mask,
-                use_causal_mask, return_attention_scores,
-            )  # fmt: skip
+            self._check_call(namespace(locals()))
         fold = self._axes.fold  # inputs of rank > 3 become sequences
-        q = self._project(self.query_dense, fold(query))  # (B, T, H, D)
+        query_positions, key_positions = self._rope_positions(
+            query, key, positions, cache_update_index, self_attention
+        )
+        q = self._heads(self.query_dense, self.query_norm, fold(query), query_positions)
         k, v, cache = self._keys_and_values(
-            fold(key), fold(value), cache, cache_update_index
+            fold(key), fold(value), cache, cache_update_index, key_positions
         )  # (B, S, K, D), or (B, K, S, D) from a cache
         lengths = ops.shape(q)[1], ops.shape(k)[1 if cache is None else 2]
         mask, causal = self._attention_mask(
@@ -456,6 +525,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             dropout=self._attention_dropout if training and self.dropout else None,
             return_scores=return_attention_scores,
             heads_major=cache is not None,
+            logit_soft_cap=self.logit_soft_cap,
         )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
         if self.use_gate:
@@ -468,6 +538,40 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         outputs = (output,) + ((scores,) if return_attention_scores else ())
         outputs += (cache,) if cache is not None else ()
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def _heads(self, dense, norm, x, positions):
+        """Queries or keys `(B, T, heads, D)`: projected, RMS-normalized per
+        head with `normalize_qk`, then rotated to `positions` with RoPE."""
+        x = self._project(dense, x)
+        if norm is not None:
+            x = norm(x)
+        if positions is not None:
+            x = attn_ops.rotary_embedding(
+                x, positions, self.rope_max_wavelength, self.rope_scaling_factor
+            )
+        return x
+
+    def _rope_positions(
+        self, query, key, positions, cache_update_index, self_attention
+    ):
+        """The rotary positions of the queries and of the keys projected in
+        this call; `(None, None)` without RoPE.
+
+        Queries sit at `positions`, by default `cache_update_index` (or 0)
+        onwards. In self-attention the new keys are the queries' tokens, at
+        the same positions; the keys of another sequence count from the
+        index (or 0) on their own.
+        """
+        if self.rope_max_wavelength is None:
+            return None, None
+        start = ops.cast(
+            0 if cache_update_index is None else cache_update_index, "int32"
+        )
+        if positions is None:
+            positions = ops.arange(0, ops.shape(query)[1], dtype="int32") + start
+        if self_attention:
+            return positions, positions
+        return positions, ops.arange(0, ops.shape(key)[1], dtype="int32") + start
 
     @staticmethod
     def _project(dense, x):
@@ -503,15 +607,15 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 value_mask = query_mask if query_mask is not None else mask
         return value, value if key is None else key, value_mask
 
-    def _keys_and_values(self, key, value, cache, cache_update_index):
+    def _keys_and_values(self, key, value, cache, cache_update_index, positions):
         """Projected keys and values, read from or written to a cache.
 
         `key` and `value` are the inputs `(B, S, width)`. Returns them projected,
         `(B, S, K, D)` without a cache, heads-major `(B, K, S, D)` from a cache
-        `(B, 2, K, S, D)`.
+        `(B, 2, K, S, D)`. Keys are stored normalized and rotated.
         """
         if cache is None or cache_update_index is not None:
-            k = self._project(self.key_dense, key)
+            k = self._heads(self.key_dense, self.key_norm, key, positions)
             v = self._project(self.value_dense, value)
             if cache is None:
                 return k, v, None
@@ -605,7 +709,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     def _project_cache(self, value, key=None):
         """`compute_cache` of inputs already checked by the caller."""
         key = value if key is None else key
-        k = self._project(self.key_dense, key)  # (B, S, K, D)
+        _, positions = self._rope_positions(key, key, None, None, True)
+        k = self._heads(self.key_dense, self.key_norm, key, positions)  # (B, S, K, D)
         v = self._project(self.value_dense, value)
         return ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
 
@@ -720,17 +825,14 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         attention_bias=None,
         cache=None,
         cache_update_index=None,
+        positions=None,
         mask=None,
     ):
         value, key, value_mask = self._resolve_inputs(
             query, value, key, value_mask, query_mask, mask, cache
         )
         if self.built and not self._inputs_checked_by_caller:
-            self._check_call(
-                query, value, key, query_mask, value_mask, key_mask, attention_mask,
-                attention_bias, cache, cache_update_index, mask,
-                use_causal_mask, return_attention_scores,
-            )  # fmt: skip
+            self._check_call(namespace(locals()))
         dtype = self.compute_dtype
         shape = self.compute_output_shape(query.shape, value.shape, key.shape)
         outputs = (keras.KerasTensor(shape, dtype=dtype),)
@@ -745,57 +847,46 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
 
     # --- Checks ---------------------------------------------------------------
 
-    def _check_call(
-        self,
-        query,
-        value,
-        key,
-        query_mask,
-        value_mask,
-        key_mask,
-        attention_mask,
-        attention_bias,
-        cache,
-        cache_update_index,
-        mask,
-        use_causal_mask,
-        return_attention_scores,
-    ):
-        check_bool("use_causal_mask", use_causal_mask)
-        check_bool("return_attention_scores", return_attention_scores)
-        if return_attention_scores and self.flash_attention:
+    def _check_call(self, args):
+        """Every argument of a call (`args`: its arguments by name, `value`
+        and `key` resolved), before anything is computed."""
+        check_bool("use_causal_mask", args.use_causal_mask)
+        check_bool("return_attention_scores", args.return_attention_scores)
+        if args.return_attention_scores and self.flash_attention:
             raise ValueError(
                 "`return_attention_scores=True` needs the explicit path, and "
                 "this layer has `flash_attention=True`, which requires the flash "
                 "kernel. Create the layer with flash_attention=None to get the "
                 "scores."
             )
+        query, key, cache = args.query, args.key, args.cache
         # Keys and values are projected, or read from a precomputed cache.
-        projected = cache is None or cache_update_index is not None
-        self._check_inputs(query, value, key, projected)
+        projected = cache is None or args.cache_update_index is not None
+        self._check_inputs(query, args.value, key, projected)
         inner = tuple(query.shape[:-1])
-        check_mask("query_mask", query_mask, inner)
-        check_mask("mask", mask, inner)
-        key_inner = tuple(key.shape[:-1])
-        if cache is not None:
-            self._check_cache(cache, query.shape[0])
-            key_inner = (key_inner[0], cache.shape[3])
-            if cache_update_index is not None:
-                check_index(  # the new keys are written from there
-                    "cache_update_index",
-                    cache_update_index,
-                    key.shape[1],
-                    cache.shape[3],
+        check_mask("query_mask", args.query_mask, inner)
+        check_mask("mask", args.mask, inner)
+        key_inner = self._check_cache_arguments(args, tuple(key.shape[:-1]))
+        check_mask("value_mask", args.value_mask, key_inner)
+        check_mask("key_mask", args.key_mask, key_inner)
+        self._check_attention_mask(args.attention_mask, inner, key_inner)
+        self._check_attention_bias(args.attention_bias, inner, key_inner)
+        check_positions(args.positions, *inner[:2], self.rope_max_wavelength)
+
+    def _check_cache_arguments(self, args, key_inner):
+        """Check `cache` and `cache_update_index`; return the keys' inner shape."""
+        cache, index = args.cache, args.cache_update_index
+        if cache is None:
+            if index is not None:
+                raise ValueError(
+                    "`cache_update_index` needs a `cache`. Received: cache=None, "
+                    f"cache_update_index={index}."
                 )
-        elif cache_update_index is not None:
-            raise ValueError(
-                "`cache_update_index` needs a `cache`. Received: cache=None, "
-                f"cache_update_index={cache_update_index}."
-            )
-        check_mask("value_mask", value_mask, key_inner)
-        check_mask("key_mask", key_mask, key_inner)
-        self._check_attention_mask(attention_mask, inner, key_inner)
-        self._check_attention_bias(attention_bias, inner, key_inner)
+            return key_inner
+        self._check_cache(cache, args.query.shape[0])
+        if index is not None:  # the new keys are written from there
+            check_index("cache_update_index", index, key_inner[1], cache.shape[3])
+        return (key_inner[0], cache.shape[3])
 
     def _check_inputs(self, query, value, key, projected):
         """Float inputs of the rank and the widths built for."""
@@ -882,6 +973,11 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 "use_gate": self.use_gate,
                 "seed": self.seed,
                 "num_key_value_heads": self.num_key_value_heads,
+                "rope_max_wavelength": self.rope_max_wavelength,
+                "rope_scaling_factor": self.rope_scaling_factor,
+                "normalize_qk": self.normalize_qk,
+                "qk_norm_epsilon": self.qk_norm_epsilon,
+                "logit_soft_cap": self.logit_soft_cap,
                 "dtype": dtype_config(self),
             }
         )
