@@ -30,14 +30,17 @@ _WEIGHTS = (
     ("attention_output/bias", (None,), None),
     ("feedforward_intermediate_dense/kernel", (None, _SPLIT), "intermediate units"),
     ("feedforward_intermediate_dense/bias", (_SPLIT,), "intermediate units"),
+    ("feedforward_gate_dense/kernel", (None, _SPLIT), "intermediate units"),
+    ("feedforward_gate_dense/bias", (_SPLIT,), "intermediate units"),
     ("feedforward_output_dense/kernel", (_SPLIT, None), "intermediate units"),
     ("feedforward_output_dense/bias", (None,), None),
     ("embeddings", (None, _SPLIT), "embedding width"),
     *(
         (f"{sublayer}_layer_norm/{weight}", (None,), None)
         for sublayer in ("self_attention", "cross_attention", "feedforward")
-        for weight in ("gamma", "beta")
+        for weight in ("gamma", "beta", "scale")
     ),
+    *((f"{name}_norm/scale", (None,), None) for name in ("query", "key")),
 )
 # Replicated where the model axis does not divide them: the key/value heads of
 # grouped-query attention. Every other split dimension must be divisible.
@@ -63,12 +66,13 @@ def get_layout_map(
     - `query/kernel`, `key/kernel`, `value/kernel`, `gate/kernel`:
       `(None, "model", None)`; their biases `("model", None)`.
     - `attention_output/kernel`: `("model", None, None)`.
-    - `feedforward_intermediate_dense/kernel`: `(None, "model")`, its bias
-      `("model",)`; `feedforward_output_dense/kernel`: `("model", None)`.
+    - `feedforward_intermediate_dense/kernel` and `feedforward_gate_dense/kernel`
+      (gated networks): `(None, "model")`, their biases `("model",)`;
+      `feedforward_output_dense/kernel`: `("model", None)`.
     - `embeddings` (the `token_embedding` of `SinusoidalEmbedding`):
       `(None, "model")`.
-    - `attention_output/bias`, `feedforward_output_dense/bias` and the layer
-      norms: replicated, `(None,)`.
+    - `attention_output/bias`, `feedforward_output_dense/bias`, the layer
+      and RMS norms and the QK-norms: replicated, `(None,)`.
 
     Every keras_attn weight is matched by exactly one rule. Keras'
     `keras.layers.MultiHeadAttention` has the same sublayers and weights, so

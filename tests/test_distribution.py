@@ -46,14 +46,18 @@ EXPECTED = {
     "attention_output/bias": (None,),
     "feedforward_intermediate_dense/kernel": (None, "model"),
     "feedforward_intermediate_dense/bias": ("model",),
+    "feedforward_gate_dense/kernel": (None, "model"),
+    "feedforward_gate_dense/bias": ("model",),
     "feedforward_output_dense/kernel": ("model", None),
     "feedforward_output_dense/bias": (None,),
     "embeddings": (None, "model"),
     **{
         f"{sublayer}_layer_norm/{weight}": (None,)
         for sublayer in ("self_attention", "cross_attention", "feedforward")
-        for weight in ("gamma", "beta")
+        for weight in ("gamma", "beta", "scale")
     },
+    "query_norm/scale": (None,),
+    "key_norm/scale": (None,),
 }
 KEY_VALUE = re.compile(r".*/(key|value)/(kernel|bias)")
 
@@ -162,13 +166,29 @@ def test_every_keras_attn_weight_matches_exactly_one_rule():
         assert len(layout.axes) == len(weight.shape), weight.path
 
 
+def modern_decoder(use_bias=True):
+    """A cross-attending decoder with RMS norms, a gated network, QK-norms."""
+    decoder = keras_attn.TransformerDecoder(
+        INTERMEDIATE,
+        HEADS,
+        normalization="rms_norm",
+        gated_feedforward=True,
+        normalize_qk=True,
+        use_bias=use_bias,
+        name="decoder",
+    )
+    decoder(np.zeros((1, 3, WIDTH)), np.zeros((1, 4, WIDTH)))
+    return decoder
+
+
 def test_every_rule_matches_one_kind_of_weights():
-    model = encoder_decoder(use_gate=True)
+    weights = keras_attn_weights(encoder_decoder(use_gate=True))
+    weights += modern_decoder().weights
     layout_map = get_layout_map(fake_mesh(4))
     for key in layout_map:
         ends = {
             next(e for e in EXPECTED if w.path.endswith("/" + e))
-            for w in keras_attn_weights(model)
+            for w in weights
             if re.fullmatch(key, w.path)
         }
         assert len(ends) == 1, (key, ends)
@@ -178,6 +198,16 @@ def test_rules_match_whatever_the_layers_are_called():
     layout_map = get_layout_map(fake_mesh(4))
     names = {"source": "a", "target": "query", "encoder": "x-1", "decoder": "key"}
     for weight in keras_attn_weights(encoder_decoder(names=names)):
+        assert layout_map[weight.path].axes == expected_axes(weight.path)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_rules_for_the_options_of_modern_families(use_bias):
+    """RMS norms, a gated feed-forward network and QK-norms (LLaMA, Gemma 3)."""
+    layout_map = get_layout_map(fake_mesh(4))
+    for weight in modern_decoder(use_bias).weights:
+        matches = [key for key in layout_map if re.fullmatch(key, weight.path)]
+        assert len(matches) == 1, (weight.path, matches)
         assert layout_map[weight.path].axes == expected_axes(weight.path)
 
 

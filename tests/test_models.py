@@ -22,10 +22,13 @@ LOAD_AND_PREDICT = textwrap.dedent(
     import numpy as np
     import keras_attn  # registers the layers
 
-    model = keras.models.load_model(sys.argv[1])
-    data = np.load(sys.argv[2])
-    predictions = model([data["source"], data["target"]])
-    np.save(sys.argv[3], keras.ops.convert_to_numpy(predictions))
+    # (model, inputs, output) triples: predictions of each model on its inputs.
+    for model_path, data_path, out in zip(*[iter(sys.argv[1:])] * 3):
+        model = keras.models.load_model(model_path)
+        data = np.load(data_path)
+        inputs = [data[f"input_{i}"] for i in range(len(data.files))]
+        predictions = model(inputs if len(inputs) > 1 else inputs[0])
+        np.save(out, keras.ops.convert_to_numpy(predictions))
     """
 )
 
@@ -45,6 +48,31 @@ def translation_model():
     y = keras_attn.TransformerDecoder(64, 4)(y, x)
     logits = keras.layers.Dense(VOCAB)(y)
     return keras.Model([source, target], logits)
+
+
+def llama_model():
+    """Today's decoder-only family: Keras' ReversibleEmbedding tied as the
+    head, RoPE, grouped-query attention, RMSNorm, SwiGLU, QK-norm, a window."""
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    embedding = keras.layers.ReversibleEmbedding(VOCAB, WIDTH, mask_zero=True)
+    x = embedding(ids)
+    for window in (3, None):
+        x = keras_attn.TransformerDecoder(
+            64,
+            4,
+            activation="silu",
+            normalize_first=True,
+            num_key_value_heads=2,
+            normalization="rms_norm",
+            gated_feedforward=True,
+            use_bias=False,
+            rope_max_wavelength=10000.0,
+            normalize_qk=True,
+            logit_soft_cap=20.0,
+            sliding_window=window,
+        )(x)
+    x = keras.layers.RMSNormalization()(x)
+    return keras.Model(ids, embedding(x, reverse=True))
 
 
 def copy_task(n, seed):
@@ -92,13 +120,20 @@ def test_fit_learns_the_copy_task(trained):
 
 
 def test_saved_model_loads_in_fresh_processes_on_every_backend(trained, tmp_path):
+    """The trained translator, and an untrained LLaMA-style model."""
     model, _, path = trained
     source, decoder_in, _ = copy_task(16, seed=2)
+    keras.utils.set_random_seed(1)
+    llama, llama_path = llama_model(), tmp_path / "llama.keras"
+    llama.save(llama_path)
     # Eager calls on both sides: TensorFlow's predict graphs, traced for other
     # batch sizes, may pick other (equally exact) kernels than a fresh trace.
-    expected = keras.ops.convert_to_numpy(model([source, decoder_in]))
-    data = tmp_path / "inputs.npz"
-    np.savez(data, source=source, target=decoder_in)
+    expected = {
+        "translator": keras.ops.convert_to_numpy(model([source, decoder_in])),
+        "llama": keras.ops.convert_to_numpy(llama(decoder_in)),
+    }
+    np.savez(tmp_path / "translator.npz", input_0=source, input_1=decoder_in)
+    np.savez(tmp_path / "llama.npz", input_0=decoder_in)
     script = tmp_path / "load_and_predict.py"
     script.write_text(LOAD_AND_PREDICT)
     processes = {}
@@ -110,24 +145,29 @@ def test_saved_model_loads_in_fresh_processes_on_every_backend(trained, tmp_path
             "CUDA_VISIBLE_DEVICES": "",
             "OMP_NUM_THREADS": "1",
         }
-        out = tmp_path / f"{backend}.npy"
-        processes[backend] = (
-            subprocess.Popen(
-                [sys.executable, str(script), str(path), str(data), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            ),
-            out,
+        arguments = []
+        for name, model_path in (("translator", path), ("llama", llama_path)):
+            data, out = tmp_path / f"{name}.npz", tmp_path / f"{name}_{backend}.npy"
+            arguments += [str(model_path), str(data), str(out)]
+        processes[backend] = subprocess.Popen(
+            [sys.executable, str(script), *arguments],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-    for backend, (process, out) in processes.items():
+    for backend, process in processes.items():
         log, _ = process.communicate(timeout=300)
         assert process.returncode == 0, f"{backend}:\n{log[-3000:]}"
         tolerance = 1e-6 if backend == BACKEND else 1e-5
-        np.testing.assert_allclose(
-            np.load(out), expected, atol=tolerance, rtol=tolerance, err_msg=backend
-        )
+        for name, values in expected.items():
+            np.testing.assert_allclose(
+                np.load(tmp_path / f"{name}_{backend}.npy"),
+                values,
+                atol=tolerance,
+                rtol=tolerance,
+                err_msg=f"{name} on {backend}",
+            )
 
 
 def test_loading_restores_weights_exactly(trained):

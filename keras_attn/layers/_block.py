@@ -8,6 +8,7 @@ from keras_attn.layers._utils import (
     check_bool,
     check_flash_attention,
     check_float,
+    check_one_of,
     check_positive_float,
     check_positive_int,
     check_rank,
@@ -26,10 +27,11 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
     """Base of `TransformerEncoder` and `TransformerDecoder` (not public).
 
     Holds the shared arguments and builds the pieces every block has: attention
-    sublayers with their layer norms, and the position-wise feed-forward network
-    `W_2 activation(W_1 x + b_1) + b_2`. Subclasses write `call` as a flat script
-    of `_residual(x, sublayer)` steps. The arguments keras-hub's blocks have
-    come first, in keras-hub's order; keras_attn's own are keyword only.
+    sublayers with their norms, and the position-wise feed-forward network
+    `W_2 activation(W_1 x + b_1) + b_2` (or gated, `W_2 (activation(W_g x) *
+    W_1 x)`). Subclasses write `call` as a flat script of `_residual(x,
+    sublayer)` steps. The arguments keras-hub's blocks have come first, in
+    keras-hub's order; keras_attn's own are keyword only.
     """
 
     def __init__(
@@ -48,6 +50,13 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         flash_attention=None,
         use_gate=False,
         sliding_window=None,
+        normalization="layer_norm",
+        gated_feedforward=False,
+        use_bias=True,
+        normalize_qk=False,
+        logit_soft_cap=None,
+        rope_max_wavelength=None,
+        rope_scaling_factor=1.0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -84,6 +93,22 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         self.sliding_window = check_positive_int(
             "sliding_window", sliding_window, allow_none=True
         )
+        self.normalization = check_one_of(
+            "normalization", normalization, ("layer_norm", "rms_norm")
+        )
+        self.gated_feedforward = check_bool("gated_feedforward", gated_feedforward)
+        self.use_bias = check_bool("use_bias", use_bias)
+        self.normalize_qk = check_bool("normalize_qk", normalize_qk)
+        self.logit_soft_cap = check_positive_float(
+            "logit_soft_cap", logit_soft_cap, allow_none=True
+        )
+        check_flash_attention(self.flash_attention, self.dropout, self.logit_soft_cap)
+        self.rope_max_wavelength = check_positive_float(
+            "rope_max_wavelength", rope_max_wavelength, allow_none=True
+        )
+        self.rope_scaling_factor = check_positive_float(
+            "rope_scaling_factor", rope_scaling_factor
+        )
         self.supports_masking = True
 
     def _check_width(self, name, shape):
@@ -113,10 +138,11 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             )
 
     def _build_attention(self, name, query_shape, value_shape=None, window=None):
-        """An attention sublayer and the layer norm of its residual branch.
+        """An attention sublayer and the norm of its residual branch.
 
-        The block checks the tensors it passes on, so the sublayer does not
-        check them again.
+        Self-attention (no `value_shape`) gets the rotary positions; both
+        kinds get QK-norm and soft-capping. The block checks the tensors it
+        passes on, so the sublayer does not check them again.
         """
         width = query_shape[-1]
         attention = MultiHeadAttention(
@@ -128,7 +154,13 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
             use_gate=self.use_gate,
+            use_bias=self.use_bias,
             num_key_value_heads=self.num_key_value_heads,
+            normalize_qk=self.normalize_qk,
+            qk_norm_epsilon=self.layer_norm_epsilon,
+            logit_soft_cap=self.logit_soft_cap,
+            rope_max_wavelength=None if value_shape else self.rope_max_wavelength,
+            rope_scaling_factor=self.rope_scaling_factor,
             dtype=self.dtype_policy,
             name=name,
         )
@@ -137,9 +169,16 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         return attention, self._build_norm(f"{name}_layer_norm", query_shape)
 
     def _build_norm(self, name, shape):
-        norm = keras.layers.LayerNormalization(
+        """Keras' `LayerNormalization` (without its offset when `use_bias` is
+        False) or `RMSNormalization`, by `normalization`."""
+        kwargs = dict(
             epsilon=self.layer_norm_epsilon, dtype=leaf_dtype(self, name), name=name
         )
+        if self.normalization == "rms_norm":
+            norm = keras.layers.RMSNormalization(**kwargs)
+        else:
+            norm = keras.layers.LayerNormalization(center=self.use_bias, **kwargs)
+        norm.supports_masking = True  # position-wise: the mask holds after it
         norm.build(shape)
         return norm
 
@@ -147,9 +186,10 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         """The feed-forward sublayers and the blocks' dropout.
 
         `norm_first`: whether the layer norm is built (so its weights listed)
-        before the two matrices: keras-hub's encoder does, its decoder does
-        not. In keras-hub's order, `set_weights` moves weights between
-        keras-hub's blocks and these.
+        before the matrices: keras-hub's encoder does, its decoder does not.
+        In keras-hub's order (the gate between the two matrices, as in
+        keras-hub's Llama), `set_weights` moves weights between keras-hub's
+        blocks and these.
         """
         if norm_first:
             self.feedforward_layer_norm = self._build_norm(
@@ -158,6 +198,11 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         self.feedforward_intermediate_dense = self._dense(
             "feedforward_intermediate_dense", self.intermediate_dim, shape
         )
+        self.feedforward_gate_dense = None
+        if self.gated_feedforward:
+            self.feedforward_gate_dense = self._dense(
+                "feedforward_gate_dense", self.intermediate_dim, shape
+            )
         self.feedforward_output_dense = self._dense(
             "feedforward_output_dense", shape[-1], (*shape[:-1], self.intermediate_dim)
         )
@@ -172,6 +217,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
     def _dense(self, name, units, input_shape):
         dense = keras.layers.Dense(
             units,
+            use_bias=self.use_bias,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
             dtype=leaf_dtype(self, name),
@@ -196,10 +242,15 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         return self._add_residual(x, outputs[0], norm, training), scores, cache
 
     def _feedforward_residual(self, x, training):
-        """`W_2 activation(W_1 x + b_1) + b_2` with its residual."""
+        """`W_2 activation(W_1 x + b_1) + b_2`, or gated `W_2 (activation(W_g x)
+        * W_1 x)` (SwiGLU with silu, GeGLU with gelu), with its residual."""
         norm = self.feedforward_layer_norm
         hidden = norm(x) if self.normalize_first else x
-        hidden = self.activation(self.feedforward_intermediate_dense(hidden))
+        if self.gated_feedforward:
+            gate = self.activation(self.feedforward_gate_dense(hidden))
+            hidden = gate * self.feedforward_intermediate_dense(hidden)
+        else:
+            hidden = self.activation(self.feedforward_intermediate_dense(hidden))
         hidden = self._dropout_layer(hidden, training=training)
         output = self.feedforward_output_dense(hidden)
         return self._add_residual(x, output, norm, training)
@@ -241,6 +292,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         """
         targets = [t for a in self._attention_layers() for t in a._lora_targets()]
         targets += [self.feedforward_intermediate_dense, self.feedforward_output_dense]
+        targets += [self.feedforward_gate_dense] if self.gated_feedforward else []
         enable_lora(self, targets, rank, lora_alpha, a_initializer, b_initializer)
 
     def get_config(self):
@@ -262,6 +314,13 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 "flash_attention": self.flash_attention,
                 "use_gate": self.use_gate,
                 "sliding_window": self.sliding_window,
+                "normalization": self.normalization,
+                "gated_feedforward": self.gated_feedforward,
+                "use_bias": self.use_bias,
+                "normalize_qk": self.normalize_qk,
+                "logit_soft_cap": self.logit_soft_cap,
+                "rope_max_wavelength": self.rope_max_wavelength,
+                "rope_scaling_factor": self.rope_scaling_factor,
                 "dtype": dtype_config(self),
             }
         )

@@ -9,6 +9,7 @@ from keras_attn.layers._utils import (
     check_float,
     check_index,
     check_mask,
+    check_positions,
     check_rank,
     check_width,
 )
@@ -57,6 +58,26 @@ class TransformerDecoder(TransformerBlock):
             attends only to positions less than `sliding_window` away (with
             the causal mask: itself and the `sliding_window - 1` before it).
             Defaults to `None`.
+        normalization: `"layer_norm"` (Keras' `LayerNormalization`) or
+            `"rms_norm"` (Keras' `RMSNormalization`, as in LLaMA), keyword
+            only. Defaults to `"layer_norm"`.
+        gated_feedforward: bool, keyword only. The gated network
+            `W_2 (activation(W_g x) * W_1 x)` (`feedforward_gate_dense` is
+            `W_g`): SwiGLU with `activation="silu"`, GeGLU with `"gelu"`.
+            Defaults to `False`.
+        use_bias: bool, keyword only. `False` drops every bias: the
+            projections', the feed-forward matrices' and the layer norms'
+            offsets (as LLaMA). Defaults to `True`.
+        normalize_qk: bool, keyword only. RMS-normalize queries and keys per
+            head before the dot product (Gemma 3, OLMo 2), with
+            `layer_norm_epsilon`. Defaults to `False`.
+        logit_soft_cap: float, keyword only. Soft-cap the attention logits to
+            `cap * tanh(logits / cap)` (Gemma 2). Defaults to `None`.
+        rope_max_wavelength: float, keyword only. Rotary position embeddings
+            (Su et al. 2021) in self-attention, with this base; see
+            `keras_attn.ops.rotary_embedding`. Defaults to `None` (none).
+        rope_scaling_factor: float, keyword only. Positions are divided by it
+            (linear position interpolation). Defaults to `1.0`.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments (keras-hub's order; the ones after `use_causal_mask`,
@@ -96,6 +117,11 @@ class TransformerDecoder(TransformerBlock):
         encoder_attention_bias: optional float tensor broadcastable to
             `(batch, num_heads, target_length, source_length)`, added to the
             cross-attention logits.
+        positions: optional int tensor `(target_length,)` or
+            `(batch, target_length)`: the rotary positions of the decoder
+            tokens (with `rope_max_wavelength`), e.g. per row for left-padded
+            prompts. Defaults to `self_attention_cache_update_index` (or 0)
+            onwards.
         mask, decoder_sequence_mask, encoder_sequence_mask: filled in by Keras
             with the inputs' Keras masks; not passed by hand.
 
@@ -150,6 +176,7 @@ class TransformerDecoder(TransformerBlock):
         return_attention_scores=False,
         decoder_attention_bias=None,
         encoder_attention_bias=None,
+        positions=None,
         mask=None,
         decoder_sequence_mask=None,
         encoder_sequence_mask=None,
@@ -168,6 +195,7 @@ class TransformerDecoder(TransformerBlock):
             use_causal_mask=use_causal_mask,
             cache=self_attention_cache,
             cache_update_index=self_attention_cache_update_index,
+            positions=positions,
         )
         scores, caches = (self_scores,), (self_attention_cache,)
         if self._has_cross_attention:
@@ -280,6 +308,7 @@ class TransformerDecoder(TransformerBlock):
             (batch, self.num_heads, target, keys),
             "(batch, num_heads, target_length, key_length)",
         )
+        check_positions(args.positions, batch, target, self.rope_max_wavelength)
         if self._has_cross_attention:
             self._check_cross_attention(args, batch, target)
         else:
@@ -387,6 +416,7 @@ class TransformerDecoder(TransformerBlock):
         return_attention_scores=False,
         decoder_attention_bias=None,
         encoder_attention_bias=None,
+        positions=None,
         mask=None,
         decoder_sequence_mask=None,
         encoder_sequence_mask=None,

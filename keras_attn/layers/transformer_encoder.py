@@ -46,6 +46,26 @@ class TransformerEncoder(TransformerBlock):
             see `keras_attn.MultiHeadAttention`. Defaults to `False`.
         sliding_window: int, keyword only. Each position attends only to
             positions less than `sliding_window` away. Defaults to `None`.
+        normalization: `"layer_norm"` (Keras' `LayerNormalization`) or
+            `"rms_norm"` (Keras' `RMSNormalization`, as in LLaMA), keyword
+            only. Defaults to `"layer_norm"`.
+        gated_feedforward: bool, keyword only. The gated network
+            `W_2 (activation(W_g x) * W_1 x)` (`feedforward_gate_dense` is
+            `W_g`): SwiGLU with `activation="silu"`, GeGLU with `"gelu"`.
+            Defaults to `False`.
+        use_bias: bool, keyword only. `False` drops every bias: the
+            projections', the feed-forward matrices' and the layer norms'
+            offsets (as LLaMA). Defaults to `True`.
+        normalize_qk: bool, keyword only. RMS-normalize queries and keys per
+            head before the dot product (Gemma 3, OLMo 2), with
+            `layer_norm_epsilon`. Defaults to `False`.
+        logit_soft_cap: float, keyword only. Soft-cap the attention logits to
+            `cap * tanh(logits / cap)` (Gemma 2). Defaults to `None`.
+        rope_max_wavelength: float, keyword only. Rotary position embeddings
+            (Su et al. 2021) in self-attention, with this base; see
+            `keras_attn.ops.rotary_embedding`. Defaults to `None` (none).
+        rope_scaling_factor: float, keyword only. Positions are divided by it
+            (linear position interpolation). Defaults to `1.0`.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:

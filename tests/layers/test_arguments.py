@@ -74,6 +74,18 @@ def bool_rows(cls, name, allow_none=False):
     return rows
 
 
+def positive_float_rows(cls, name, allow_none=False):
+    rows = [
+        init_row(cls, {name: 0.0}, ValueError, rf"`{name}` must be positive.*{name}=0"),
+        init_row(cls, {name: -2}, ValueError, rf"{name}=-2\b"),
+        init_row(cls, {name: "5"}, TypeError, rf"{name}='5' of type str"),
+        init_row(cls, {name: True}, TypeError, rf"{name}=True of type bool"),
+    ]
+    if not allow_none:
+        rows.append(init_row(cls, {name: None}, TypeError, rf"{name}=None"))
+    return rows
+
+
 def keras_object_rows(cls, name):
     return [
         init_row(cls, {name: "nope"}, ValueError, rf"`{name}` must be.*{name}='nope'"),
@@ -107,6 +119,17 @@ def attention_rows(cls):
         ),
         *bool_rows(cls, "use_gate"),
         *positive_int_rows(cls, "sliding_window"),
+        *bool_rows(cls, "use_bias"),
+        *bool_rows(cls, "normalize_qk"),
+        *positive_float_rows(cls, "logit_soft_cap", allow_none=True),
+        *positive_float_rows(cls, "rope_max_wavelength", allow_none=True),
+        *positive_float_rows(cls, "rope_scaling_factor"),
+        init_row(
+            cls,
+            {"flash_attention": True, "logit_soft_cap": 30.0},
+            ValueError,
+            r"`flash_attention=True` needs.*soft-cap.*logit_soft_cap=30.0",
+        ),
         *keras_object_rows(cls, "kernel_initializer"),
         *keras_object_rows(cls, "bias_initializer"),
         *common_rows(cls),
@@ -122,6 +145,15 @@ def block_rows(cls):
         init_row(cls, {"layer_norm_epsilon": -1e-5}, ValueError, r"epsilon=-1e-05"),
         init_row(cls, {"layer_norm_epsilon": "1e-5"}, TypeError, r"epsilon='1e-5'"),
         *bool_rows(cls, "normalize_first"),
+        *bool_rows(cls, "gated_feedforward"),
+        init_row(
+            cls,
+            {"normalization": "batch_norm"},
+            ValueError,
+            r"`normalization` must be one of \['layer_norm', 'rms_norm'\].*"
+            r"normalization='batch_norm'",
+        ),
+        init_row(cls, {"normalization": None}, TypeError, r"normalization=None"),
     ]
 
 
@@ -183,7 +215,7 @@ MHA_ONLY_ROWS = [
         ValueError,
         r"`flash_attention=True` needs.*keys' width.*key_dim=4, value_dim=3",
     ),
-    *bool_rows(MultiHeadAttention, "use_bias"),
+    *positive_float_rows(MultiHeadAttention, "qk_norm_epsilon"),
     *keras_object_rows(MultiHeadAttention, "kernel_regularizer"),
     *keras_object_rows(MultiHeadAttention, "bias_regularizer"),
     *keras_object_rows(MultiHeadAttention, "kernel_constraint"),
@@ -260,6 +292,16 @@ def mha_cross():
     return layer, {"query": random_floats(B, T, W), "value": random_floats(B, S, VW)}
 
 
+def mha_rotary():
+    layer = built(MultiHeadAttention(num_heads=2, rope_max_wavelength=100.0), (B, T, W))
+    return layer, {"query": random_floats(B, T, W)}
+
+
+def decoder_rotary():
+    layer = built(TransformerDecoder(16, 2, rope_max_wavelength=100.0), (B, T, W))
+    return layer, {"decoder_sequence": random_floats(B, T, W)}
+
+
 def mha_cached():
     """Grouped-query self-attention, one step with a cache `(B, 2, 2, 6, 2)`."""
     layer = built(MultiHeadAttention(num_heads=4, num_key_value_heads=2), (B, T, W))
@@ -312,6 +354,8 @@ def float_embedding():
 
 TARGETS = (
     mha_cross,
+    mha_rotary,
+    decoder_rotary,
     mha_cached,
     encoder,
     decoder,
@@ -333,6 +377,25 @@ def unbuilt(cls, **kwargs):
 def call_row(target, kwargs, error, match):
     name = "-".join(kwargs) or "baseline"
     return pytest.param(target, kwargs, error, match, id=f"{target.__name__}-{name}")
+
+
+def positions_rows(target, name):
+    """Rotary positions: `(T,)` or `(B, T)` of ints or floats."""
+    return [
+        call_row(
+            target,
+            {name: np.arange(T + 1)},
+            ValueError,
+            rf"`{name}` does not match.*{name}.shape=\(4,\)",
+        ),
+        call_row(
+            target,
+            {name: np.zeros((1, B, T), "int32")},
+            ValueError,
+            rf"`{name}` must have rank 1 or 2.*{name}.shape=\(1, 2, 3\)",
+        ),
+        call_row(target, {name: bools(B, T)}, TypeError, rf"{name}.dtype=bool"),
+    ]
 
 
 def rank_row(target, name, array, description=r"\(batch, length, width\)"):
@@ -468,6 +531,13 @@ CALL_ROWS = [
         r"attention_bias.shape=\(1, 2, 2, 3, 5\)",
     ),
     dtype_row(mha_cross, "attention_bias", np.zeros((T, S), "int32")),
+    *positions_rows(mha_rotary, "positions"),
+    call_row(
+        mha_cross,
+        {"positions": np.arange(T)},
+        ValueError,
+        r"`positions` are rotary positions.*rope_max_wavelength=None",
+    ),
     call_row(
         mha_cached,
         {"cache": None},
@@ -560,6 +630,13 @@ CALL_ROWS = [
         {"decoder_attention_bias": np.zeros((B, 2, T, S), "float32")},
         ValueError,
         r"`decoder_attention_bias` must be broadcastable.*shape=\(2, 2, 3, 5\)",
+    ),
+    *positions_rows(decoder_rotary, "positions"),
+    call_row(
+        decoder,
+        {"positions": np.arange(T)},
+        ValueError,
+        r"`positions` are rotary positions.*rope_max_wavelength=None",
     ),
     call_row(
         decoder,

@@ -1,0 +1,265 @@
+"""Today's families from the same blocks: parity with keras-hub's Llama,
+Mistral and Gemma decoder blocks (weights copied across), and the properties
+of rotary positions, sliding windows and the LLaMA-style block."""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import MultiHeadAttention, TransformerDecoder, TransformerEncoder
+from tests.helpers import random_floats, run_layer_contract, to_numpy
+
+PARITY = dict(atol=1e-5, rtol=1e-5)
+WIDTH, HEADS, KV_HEADS, HIDDEN = 16, 4, 2, 24
+LLAMA = dict(
+    intermediate_dim=HIDDEN,
+    num_heads=HEADS,
+    activation="silu",
+    layer_norm_epsilon=1e-5,
+    normalize_first=True,
+    num_key_value_heads=KV_HEADS,
+    normalization="rms_norm",
+    gated_feedforward=True,
+    use_bias=False,
+    rope_max_wavelength=10000.0,
+)
+
+
+def padded_batch(length=7):
+    x = random_floats(3, length, WIDTH, seed=3)
+    padding = np.arange(length)[None] < np.array([[length], [4], [2]])
+    return x, padding
+
+
+def copy_by_name(ours, theirs, names, transform=None):
+    """Copy `theirs` weights into `ours`: `names` maps our sublayer paths to
+    theirs; `transform(name, array)` adapts a layout where one differs."""
+    mine = {w.path.split("/", 1)[1]: w for w in ours.weights}
+    for our_name, their_name in names.items():
+        (source,) = [w for w in theirs.weights if w.path.endswith(their_name)]
+        value = to_numpy(source)
+        mine[our_name].assign(transform(our_name, value) if transform else value)
+
+
+def hub_module(path):
+    pytest.importorskip("keras_hub")
+    import importlib
+
+    return importlib.import_module(f"keras_hub.src.models.{path}")
+
+
+def llama_names(norm="layernorm"):
+    return {
+        "self_attention/query/kernel": "self_attention/query/kernel",
+        "self_attention/key/kernel": "self_attention/key/kernel",
+        "self_attention/value/kernel": "self_attention/value/kernel",
+        "self_attention/attention_output/kernel": (
+            "self_attention/attention_output/kernel"
+        ),
+        "self_attention_layer_norm/scale": f"self_attention_{norm}/scale",
+        **{
+            f"feedforward_{name}_dense/kernel": f"feedforward_{name}_dense/kernel"
+            for name in ("intermediate", "gate", "output")
+        },
+        "feedforward_layer_norm/scale": f"feedforward_{norm}/scale",
+    }
+
+
+def test_llama_block_same_numbers_as_keras_hub():
+    module = hub_module("llama.llama_decoder")
+    theirs = module.LlamaTransformerDecoder(
+        intermediate_dim=HIDDEN,
+        num_query_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        layer_norm_epsilon=1e-5,
+    )
+    ours = TransformerDecoder(**LLAMA)
+    x, padding = padded_batch()
+    theirs(x)
+    ours(x)
+    assert len(ours.weights) == len(theirs.weights) == 9
+    ours.set_weights(theirs.get_weights())  # the same order as keras-hub's
+    expected = to_numpy(theirs(x, decoder_padding_mask=padding))
+    actual = to_numpy(ours(x, decoder_padding_mask=padding))
+    np.testing.assert_allclose(actual, expected, **PARITY)
+
+
+def test_mistral_block_same_numbers_as_keras_hub():
+    module = hub_module("mistral.mistral_transformer_decoder")
+    theirs = module.MistralTransformerDecoder(
+        intermediate_dim=HIDDEN,
+        num_query_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        layer_norm_epsilon=1e-5,
+        sliding_window=3,
+    )
+    ours = TransformerDecoder(**LLAMA, sliding_window=3)
+    x, padding = padded_batch(9)
+    theirs(x)
+    ours(x)
+    ours.set_weights(theirs.get_weights())
+    expected = to_numpy(theirs(x, decoder_padding_mask=padding))
+    actual = to_numpy(ours(x, decoder_padding_mask=padding))
+    # Padded positions whose whole window is padding attend to nothing: ours
+    # give zeros there, keras-hub a softmax over masked logits.
+    np.testing.assert_allclose(actual[padding], expected[padding], **PARITY)
+
+
+GEMMA_NAMES = {
+    "self_attention/query/kernel": "attention/query/kernel",
+    "self_attention/key/kernel": "attention/key/kernel",
+    "self_attention/value/kernel": "attention/value/kernel",
+    "self_attention/attention_output/kernel": "attention/attention_output/kernel",
+    "self_attention_layer_norm/scale": "pre_attention_norm/scale",
+    "feedforward_gate_dense/kernel": "ffw_gating/kernel",
+    "feedforward_intermediate_dense/kernel": "ffw_gating_2/kernel",
+    "feedforward_output_dense/kernel": "ffw_linear/kernel",
+    "feedforward_layer_norm/scale": "pre_ffw_norm/scale",
+}
+
+
+def from_gemma(name, value):
+    """Gemma's layouts: projections `(heads, width, dim)` where ours are
+    `(width, heads, dim)`; RMS norms scale by `1 + scale` where Keras' scale
+    by `scale`."""
+    if name.endswith(("query/kernel", "key/kernel", "value/kernel")):
+        return np.transpose(value, (1, 0, 2))
+    return value + 1.0 if name.endswith("norm/scale") else value
+
+
+@pytest.mark.parametrize("soft_cap", [None, 5.0], ids=["gemma", "soft-capped"])
+def test_gemma_block_same_numbers_as_keras_hub(soft_cap):
+    """Gemma's block with GeGLU (tanh-approximated GELU, as Gemma), RMSNorm
+    and RoPE; with `logit_soft_cap`, Gemma 2's soft-capping. Gemma's RoPE
+    interleaves the rotated halves of both queries and keys: the same
+    permutation of both leaves every score unchanged."""
+    module = hub_module("gemma.gemma_decoder_block")
+    head_dim = 8
+    theirs = module.GemmaDecoderBlock(
+        hidden_dim=WIDTH,
+        intermediate_dim=2 * HIDDEN,  # Gemma halves it for each branch
+        head_dim=head_dim,
+        num_query_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        logit_soft_cap=soft_cap,
+        layer_norm_epsilon=1e-6,
+    )
+    gelu_tanh = functools.partial(keras.activations.gelu, approximate=True)
+    ours = TransformerDecoder(
+        **{**LLAMA, "layer_norm_epsilon": 1e-6, "activation": gelu_tanh},
+        key_dim=head_dim,
+        logit_soft_cap=soft_cap,
+    )
+    x, padding = padded_batch()
+    theirs(x)
+    ours(x)
+    copy_by_name(ours, theirs, GEMMA_NAMES, from_gemma)
+    expected = to_numpy(theirs(x, padding_mask=padding))
+    actual = to_numpy(ours(x, decoder_padding_mask=padding))
+    np.testing.assert_allclose(actual, expected, **PARITY)
+
+
+def test_llama_block_parameter_count_is_the_closed_formula():
+    """Per block: `W (H + 2 K) D` query/key/value, `H D W` output, `3 W F`
+    gated feed-forward, `2 W` RMS norm scales; no biases."""
+    block = TransformerDecoder(**LLAMA)
+    block(random_floats(1, 3, WIDTH))
+    d = WIDTH // HEADS
+    expected = WIDTH * (HEADS + 2 * KV_HEADS) * d + HEADS * d * WIDTH
+    expected += 3 * WIDTH * HIDDEN + 2 * WIDTH
+    assert block.count_params() == expected
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        MultiHeadAttention(HEADS, rope_max_wavelength=10000.0),
+        TransformerDecoder(**LLAMA),
+    ],
+    ids=["attention", "decoder"],
+)
+def test_rotary_attention_depends_only_on_relative_positions(layer):
+    """Shifting every position by the same offset changes no output, and
+    reversing the tokens does change it (the positions matter)."""
+    x = random_floats(2, 6, WIDTH)
+    output = to_numpy(layer(x))
+    shifted = to_numpy(layer(x, positions=np.arange(6) + 1000))
+    np.testing.assert_allclose(shifted, output, atol=2e-5)
+    reversed_back = to_numpy(layer(x[:, ::-1].copy()))[:, ::-1]
+    assert not np.allclose(reversed_back, output, atol=1e-3)
+
+
+def test_encoder_rotates_the_positions_of_its_self_attention():
+    encoder = TransformerEncoder(**{**LLAMA, "gated_feedforward": False})
+    x = random_floats(2, 6, WIDTH)
+    output = to_numpy(encoder(x))
+    reversed_back = to_numpy(encoder(x[:, ::-1].copy()))[:, ::-1]
+    assert not np.allclose(reversed_back, output, atol=1e-3)
+    assert encoder.self_attention.rope_max_wavelength == 10000.0
+
+
+def test_a_token_beyond_the_window_changes_nothing_downstream():
+    window = 3
+    block = TransformerDecoder(**LLAMA, sliding_window=window)
+    x = random_floats(1, 8, WIDTH)
+    changed = x.copy()
+    changed[:, 2] += 5.0
+    a, b = to_numpy(block(x)), to_numpy(block(changed))
+    np.testing.assert_allclose(a[:, 2 + window :], b[:, 2 + window :], atol=1e-6)
+    assert not np.allclose(a[:, 2 + window - 1], b[:, 2 + window - 1], atol=1e-4)
+
+
+def test_cached_decoding_with_rope_and_window_equals_the_full_pass():
+    block = TransformerDecoder(**LLAMA, sliding_window=3)
+    x, padding = padded_batch(8)
+    full = to_numpy(block(x, decoder_padding_mask=padding))
+    cache = block.get_empty_self_attention_cache(3, 8)
+    steps = []
+    for i in range(8):
+        y, cache = block(
+            x[:, i : i + 1],
+            decoder_padding_mask=padding,
+            self_attention_cache=cache,
+            self_attention_cache_update_index=i,
+        )
+        steps.append(to_numpy(y))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+MODERN = dict(normalize_qk=True, logit_soft_cap=30.0, rope_scaling_factor=2.0)
+
+
+@pytest.mark.parametrize(
+    "layer_cls, kwargs, inputs",
+    [
+        (
+            MultiHeadAttention,
+            {"num_heads": 4, "num_key_value_heads": 2, "rope_max_wavelength": 500.0},
+            {"query": random_floats(2, 5, WIDTH)},
+        ),
+        (
+            TransformerDecoder,
+            {**LLAMA, "sliding_window": 3},
+            {"decoder_sequence": random_floats(2, 5, WIDTH)},
+        ),
+        (
+            TransformerEncoder,
+            {**LLAMA, "normalization": "layer_norm", "use_bias": True},
+            {"inputs": random_floats(2, 5, WIDTH)},
+        ),
+    ],
+    ids=["attention", "llama-decoder", "encoder"],
+)
+def test_layer_contract_with_every_new_option(tmp_path, layer_cls, kwargs, inputs):
+    """Config, `.keras` round trip, spec, jit, mixed precision, quantize, LoRA
+    and dtype policy maps with RoPE, QK-norm, soft-capping (and in the blocks
+    RMSNorm, the gated network, no biases, a window)."""
+    run_layer_contract(
+        layer_cls,
+        {**kwargs, **MODERN},
+        inputs,
+        expected_output_shape=(2, 5, WIDTH),
+        tmp_path=tmp_path,
+    )
