@@ -58,20 +58,25 @@ def generate(
     """Generate token ids with cached decoding from a keras_attn model.
 
     The model is a functional `keras.Model` whose (single) output is the
-    per-token logits `(batch, length, vocabulary)`, computed as
-    `SinusoidalEmbedding(vocabulary_size=...)` on the decoder-side token ids,
-    then `TransformerDecoder` blocks (decoder-only, or with cross-attention into
-    an encoder output computed from the other inputs), with per-position layers
-    (`Dense`, `LayerNormalization`, `Dropout`, `Activation`, ...) between or
-    after them. The encoder runs once; the decoder runs on the prompt, then on
-    one new token per step, with its self-attention keys and values cached and
+    per-token logits `(batch, length, vocabulary)`, computed as a token
+    embedding of the decoder-side token ids (`SinusoidalEmbedding(
+    vocabulary_size=...)`, or Keras' `Embedding` or `ReversibleEmbedding` for
+    models whose decoders rotate positions, `rope_max_wavelength`), then
+    `TransformerDecoder` blocks (decoder-only, or with cross-attention into an
+    encoder output computed from the other inputs), with per-position layers
+    (`Dense`, `LayerNormalization`, `RMSNormalization`, `Dropout`,
+    `Activation`, ...) between or after them; the head may be the embedding
+    itself, tied (`ReversibleEmbedding` called with `reverse=True`). The
+    encoder runs once; the decoder runs on the prompt, then on one new token
+    per step, with its self-attention keys and values cached and
     the cross-attention ones computed once. The result equals running the whole
     model on each prefix, at a cost per token that does not grow with the
     prefix.
 
     Padding: prompts of different lengths are padded with `pad_token_id`, on
     the left or on the right (each row's tokens contiguous). Every row keeps
-    its own positions (its first real token is position 0). Right-padded rows
+    its own positions (its first real token is position 0), in the sinusoid
+    and in the rotary positions. Right-padded rows
     are returned left-aligned, each filled up to `max_length`; left-padded rows
     are returned left-padded, with `max_length - prompt_width` new tokens each.
     Source-side padding reaches the cross-attention when the encoder input's
@@ -125,7 +130,7 @@ def generate(
     prompt, pads, right_padded = _left_pad(prompt, pad_token_id, max_length)
     _check_token_ids(
         prompt,
-        plan.embedding.vocabulary_size,
+        plan.vocabulary_size,
         pad_token_id=pad_token_id,
         end_token_id=end_token_id,
     )
@@ -305,13 +310,14 @@ class _DecodingPlan:
     def _trace(self, logits):
         """Walk back from the logits: head layers, decoder blocks, embedding."""
         head, tensor = [], logits
-        layer, inputs = self._producer(tensor)
+        layer, inputs, kwargs = self._producer(tensor)
         while not isinstance(layer, TransformerDecoder):
-            self._check_per_token(layer, inputs, "after the last TransformerDecoder")
-            head.insert(0, layer)
-            layer, inputs = self._producer(inputs[0])
+            if not _is_tied_head(layer, kwargs):
+                self._check_per_token(layer, inputs, "after the last decoder")
+            head.insert(0, (layer, kwargs))
+            layer, inputs, kwargs = self._producer(inputs[0])
         body = []
-        while not isinstance(layer, SinusoidalEmbedding):
+        while not _is_token_embedding(layer, kwargs):
             if isinstance(layer, TransformerDecoder):
                 # The node's tensors: the decoder sequence, then the encoder
                 # sequence if any (float, rank 3), then masks (bool).
@@ -322,8 +328,11 @@ class _DecodingPlan:
                     layer, inputs, "between the embedding and decoders"
                 )
                 body.insert(0, (layer, None))
-            layer, inputs = self._producer(inputs[0])
-        if layer.vocabulary_size is None:
+            layer, inputs, kwargs = self._producer(inputs[0])
+        self.vocabulary_size = getattr(layer, "vocabulary_size", None)
+        if not isinstance(layer, SinusoidalEmbedding):
+            self.vocabulary_size = layer.input_dim
+        if self.vocabulary_size is None:
             raise ValueError(
                 f"`generate` needs the decoder's SinusoidalEmbedding ({layer.name}) to "
                 "embed token ids (`vocabulary_size` set)."
@@ -334,8 +343,9 @@ class _DecodingPlan:
         found = self._producers.get(id(tensor))
         if found is None:
             raise ValueError(
-                "`generate` found no TransformerDecoder and SinusoidalEmbedding "
-                "chain between the model's token-id input and its logits."
+                "`generate` found no chain of a token embedding (SinusoidalEmbedding, "
+                "Embedding or ReversibleEmbedding) and TransformerDecoders between "
+                "the model's token-id input and its logits."
             )
         return found
 
@@ -364,7 +374,7 @@ class _DecodingPlan:
     def _mask_zero_source(self, tensor):
         """The model input whose id 0 pads the encoder output, if any."""
         while id(tensor) in self._producers:
-            layer, inputs = self._producers[id(tensor)]
+            layer, inputs, _ = self._producers[id(tensor)]
             if getattr(layer, "mask_zero", False):
                 return self.encoder_indices.index(_input_index(self.model, inputs[0]))
             tensor = inputs[0]
@@ -393,24 +403,54 @@ class _DecodingPlan:
         return inputs[self.prompt_index], encoder_inputs
 
 
+def _is_token_embedding(layer, kwargs):
+    """A `SinusoidalEmbedding`, or a Keras `Embedding` called forward."""
+    if isinstance(layer, SinusoidalEmbedding):
+        return True
+    return isinstance(layer, keras.layers.Embedding) and not kwargs.get("reverse")
+
+
+def _is_tied_head(layer, kwargs):
+    return isinstance(layer, keras.layers.ReversibleEmbedding) and bool(
+        kwargs.get("reverse")
+    )
+
+
 def _is_sequence(tensor):
     return len(tensor.shape) == 3 and "float" in str(tensor.dtype)
 
 
 def _producers(model):
-    """`id(output tensor) -> (layer, flat input tensors)` over the model's layers."""
+    """`id(output tensor) -> (layer, flat input tensors, call kwargs)` over the
+    model's layers. Each layer is called once, but for a tied
+    `ReversibleEmbedding`: once forward and once `reverse=True`."""
     producers = {}
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer):
             continue
-        if len(getattr(layer, "_inbound_nodes", ())) > 1:
+        nodes = getattr(layer, "_inbound_nodes", ())
+        if len(nodes) > 1 and not _tied_embedding(layer, nodes):
             raise ValueError(
                 f"`generate` needs each layer used once; {layer.name} is shared."
             )
-        inputs = keras.tree.flatten(layer.input)
-        for output in keras.tree.flatten(layer.output):
-            producers[id(output)] = (layer, inputs)
+        for node in nodes:
+            kwargs = {  # the settings, such as `reverse=True`; not the tensors
+                k: v
+                for k, v in node.arguments.kwargs.items()
+                if not isinstance(v, keras.KerasTensor)
+            }
+            for output in node.output_tensors:
+                producers[id(output)] = (layer, list(node.input_tensors), kwargs)
     return producers
+
+
+def _tied_embedding(layer, nodes):
+    """Whether `layer` is a `ReversibleEmbedding` called forward, then reversed."""
+    reverse = sorted(bool(node.arguments.kwargs.get("reverse")) for node in nodes)
+    return isinstance(layer, keras.layers.ReversibleEmbedding) and reverse == [
+        False,
+        True,
+    ]
 
 
 def _ancestors(tensor, producers, model_inputs):
@@ -463,9 +503,19 @@ class _Generator(keras.Model):
         ) = settings
         self.length = length
         self.plan = plan
+        # Per decoder: its sliding window where a rolling cache of that many
+        # positions is smaller than the sequence, else None.
+        self.windows = [
+            layer.sliding_window
+            if layer.sliding_window and layer.sliding_window < length
+            else None
+            for layer, _ in plan.body
+            if isinstance(layer, TransformerDecoder)
+        ]
         # Tracked, so their variables are the compiled function's state.
-        self.decoding_layers = [plan.embedding] + [layer for layer, _ in plan.body]
-        self.decoding_layers += plan.head + ([plan.encoder] if plan.encoder else [])
+        layers = [plan.embedding] + [layer for layer, _ in plan.body]
+        layers += [layer for layer, _ in plan.head if layer is not plan.embedding]
+        self.decoding_layers = layers + ([plan.encoder] if plan.encoder else [])
         self.seed_generator = keras.random.SeedGenerator(0)
         self.compile(jit_compile=keras.config.backend() != "torch")
         self.built = True
@@ -502,7 +552,20 @@ class _Generator(keras.Model):
         if plan.embedding.mask_zero:
             keys = ops.logical_and(keys, _pad_to(prompt != 0, first, True))
         context = (pads, cross, memory_mask)
-        logits, caches = self._step(prompt, 0, caches, keys, context)
+        logits, caches = self._step(prompt, 0, caches, keys, context, prefill=True)
+        # Sliding-window decoders keep the last `w` positions from here on
+        # (`_rolling_call`): slots for positions width - w + 1, ..., width.
+        width = prompt.shape[1]
+        caches = [
+            cache
+            if not window
+            else ops.slice(
+                _pad_to(cache, first + window, 0, axis=3, front=True),
+                [0, 0, 0, width + 1, 0],
+                (*ops.shape(cache)[:3], window, cache.shape[4]),
+            )
+            for cache, window in zip(caches, self.windows, strict=True)
+        ]
         return logits[:, -1], caches, keys, context
 
     def _loop(self, body, loop_vars, segments):
@@ -518,7 +581,10 @@ class _Generator(keras.Model):
         for i, segment in enumerate(segments):
             if i > 0:
                 index, tokens, logits, caches, keys, *rest = loop_vars
-                caches = [_pad_to(cache, segment, 0, axis=3) for cache in caches]
+                caches = [
+                    cache if window else _pad_to(cache, segment, 0, axis=3)
+                    for cache, window in zip(caches, self.windows, strict=True)
+                ]
                 keys = _pad_to(keys, segment, True)
                 loop_vars = (index, tokens, logits, caches, keys, *rest)
 
@@ -532,33 +598,78 @@ class _Generator(keras.Model):
             loop_vars = ops.while_loop(running, body, loop_vars)
         return loop_vars
 
-    def _step(self, token_ids, index, caches, keys, context):
+    def _step(self, token_ids, index, caches, keys, context, prefill=False):
         """Embedding, decoders and head on new tokens at `index`: `(logits, caches)`.
 
         `keys` `(B, L)` marks the cache positions that are not padding;
         `context` is `(pads per row, cross-attention caches, source mask)`.
+        In one-token steps, the caches of sliding-window decoders are rolling
+        (see `_rolling_call`); in the `prefill` they are full.
         """
         pads, cross, memory_mask = context
-        x = self.plan.embedding(token_ids, start_index=index - pads)
+        start = index - pads  # (B,): each row's position of the first new token
+        x = self._embed(token_ids, start)
+        positions = ops.expand_dims(start, 1) + ops.expand_dims(
+            ops.arange(0, ops.shape(token_ids)[1], dtype="int32"), 0
+        )  # (B, T), for rotary positions
         new_caches, decoder = [], 0
         for layer, _ in self.plan.body:
             if not isinstance(layer, TransformerDecoder):
                 x = layer(x)
                 continue
-            has_cross = cross[decoder] is not None
-            outputs = layer(
-                x,
-                decoder_padding_mask=keys,
-                encoder_padding_mask=memory_mask if has_cross else None,
-                self_attention_cache=caches[decoder],
-                self_attention_cache_update_index=index,
+            kwargs = dict(
+                encoder_padding_mask=memory_mask
+                if cross[decoder] is not None
+                else None,
                 cross_attention_cache=cross[decoder],
+                positions=positions if layer.rope_max_wavelength else None,
             )
-            x, decoder = outputs[0], decoder + 1
-            new_caches.append(outputs[1])
-        for layer in self.plan.head:
-            x = layer(x)
+            window = self.windows[decoder]
+            if window and not prefill:
+                x, cache = self._rolling_call(
+                    layer, x, caches[decoder], keys, index, kwargs
+                )
+            else:
+                x, cache, *_ = layer(
+                    x,
+                    decoder_padding_mask=keys,
+                    self_attention_cache=caches[decoder],
+                    self_attention_cache_update_index=index,
+                    **kwargs,
+                )
+            new_caches.append(cache)
+            decoder += 1
+        for layer, kwargs in self.plan.head:
+            x = layer(x, **kwargs)
         return ops.cast(x, "float32"), new_caches
+
+    def _embed(self, token_ids, start):
+        embedding = self.plan.embedding
+        if isinstance(embedding, SinusoidalEmbedding):
+            return embedding(token_ids, start_index=start)
+        return embedding(token_ids)
+
+    def _rolling_call(self, layer, x, cache, keys, index, kwargs):
+        """One token at `index` through a sliding-window decoder whose cache
+        holds only its window, `w` positions: `(output, cache)`.
+
+        Slot `s` holds position `index - (w - 1) + s` and the new token goes
+        into the last slot, so the layer's causal window, relative to that
+        slot, allows every slot; `keys` gives which are real tokens. Rolling
+        the cache by one then frees the last slot for the next position.
+        Memory stays `w` positions however long the generation runs.
+        """
+        window = cache.shape[3]
+        padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
+        slots = ops.slice(padded, [0, index + 1], [ops.shape(keys)[0], window])
+        x, cache, *_ = layer(
+            x,
+            decoder_padding_mask=slots,
+            self_attention_cache=cache,
+            self_attention_cache_update_index=window - 1,
+            **kwargs,
+        )
+        return x, ops.roll(cache, -1, axis=3)
 
     def _greedy_or_sample(self, prompt, state, seed, segments):
         logits, caches, keys, context = state
@@ -660,10 +771,12 @@ def _segments(first, length, smallest=64):
     return segments + [length]
 
 
-def _pad_to(x, size, value, axis=1):
-    """`x` padded with `value` at the end of `axis` to `size` positions."""
+def _pad_to(x, size, value, axis=1, front=False):
+    """`x` padded with `value` at the end (or the front) of `axis` to `size`
+    positions."""
     widths = [[0, 0]] * len(x.shape)
-    widths[axis] = [0, size - x.shape[axis]]
+    pad = size - x.shape[axis]
+    widths[axis] = [pad, 0] if front else [0, pad]
     return ops.pad(x, widths, constant_values=value)
 
 

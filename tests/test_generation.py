@@ -226,6 +226,85 @@ def test_long_generation_crosses_cache_segments(gpt, translator):
     assert_greedy(to_numpy(translator([sources, tokens])), tokens, start=1)
 
 
+def llama_model(seed=0, tied=True, window=3):
+    """Keras' `ReversibleEmbedding` (no positions), LLaMA-style decoders with
+    RoPE (one with a sliding window), RMSNorm and the tied embedding as head."""
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    embedding = keras.layers.ReversibleEmbedding(VOCAB, WIDTH, mask_zero=True)
+    options = dict(
+        activation="silu",
+        normalize_first=True,
+        num_key_value_heads=2,
+        normalization="rms_norm",
+        gated_feedforward=True,
+        use_bias=False,
+        rope_max_wavelength=10000.0,
+    )
+    x = keras_attn.TransformerDecoder(32, 4, sliding_window=window, **options)(
+        embedding(ids)
+    )
+    x = keras_attn.TransformerDecoder(32, 4, **options)(x)
+    x = keras.layers.RMSNormalization()(x)
+    head = embedding if tied else keras.layers.Dense(VOCAB, name="head")
+    return keras.Model(ids, head(x, reverse=True) if tied else head(x))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_greedy_equals_naive_loop_with_rope_and_a_tied_head(side):
+    """Rotary positions per row (padded prompts), a sliding window across the
+    cache segments, and the tied head: every token is the full pass's argmax."""
+    model = llama_model()
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 1, 2]]
+    padded = np.zeros((3, 4), "int32")
+    for row, prompt in zip(padded, prompts, strict=True):
+        if side == "left":
+            row[4 - len(prompt) :] = prompt
+        else:
+            row[: len(prompt)] = prompt
+    tokens = generate(model, padded, max_length=10)
+    for row, prompt, padded_row in zip(tokens, prompts, padded, strict=True):
+        pads = 4 - len(prompt)
+        if side == "left":
+            expected = padded_row[:pads].tolist() + naive_greedy(
+                model, prompt, 10 - pads
+            )
+        else:
+            expected = naive_greedy(model, prompt, 10)
+        assert row.tolist() == expected
+
+
+def test_rope_generation_crosses_cache_segments():
+    model = llama_model(tied=False)
+    prompts = np.array([[3, 4, 5, 6], [7, 8, 9, 10]])
+    tokens = generate(model, prompts, max_length=80)
+    assert_greedy(to_numpy(model(tokens)), tokens, start=4)
+
+
+def test_a_sliding_window_decoder_caches_only_its_window(monkeypatch):
+    """The windowed decoder's cache holds 3 positions in every step (a
+    rolling cache), the other's grows with the sequence (64, then 150)."""
+    model = llama_model(tied=False, window=3)
+    decoders = [
+        layer
+        for layer in model.layers
+        if isinstance(layer, keras_attn.TransformerDecoder)
+    ]
+    lengths = {decoder.name: set() for decoder in decoders}
+    for decoder in decoders:
+
+        def spy(*args, _call=decoder.call, _name=decoder.name, **kwargs):
+            lengths[_name].add(kwargs["self_attention_cache"].shape[3])
+            return _call(*args, **kwargs)
+
+        monkeypatch.setattr(decoder, "call", spy)
+    tokens = generate(model, np.array([[3, 4, 5, 6]]), max_length=150)
+    windowed, full = (lengths[d.name] for d in decoders)
+    assert windowed == {64, 3} and full == {64, 128, 150}  # 64: the prompt's
+    monkeypatch.undo()
+    assert_greedy(to_numpy(model(tokens)), tokens, start=4)
+
+
 def test_prompts_of_another_width_reuse_nothing_stale(gpt):
     """A second call with a wider prompt gets its own compiled loops."""
     short, wide = np.array([[3, 4, 5]]), np.array([[3, 4, 5, 6, 7]])
