@@ -63,6 +63,17 @@ EXAMPLES = {
         rf"accuracy on unseen sums: {PERCENT}",
         ("gpt_addition.keras", "self_attention.png"),
     ),
+    "llama_docstrings": (
+        "llama_docstrings.py",
+        [
+            *("--epochs", 1, "--train-chars", 8192, "--eval-chars", 2048),
+            *("--length", 32, "--width", 16, "--num-layers", 2, "--num-heads", 2),
+            *("--num-key-value-heads", 1, "--intermediate-dim", 32),
+            *("--sliding-window", 8, "--prompts", 2, "--new-chars", 8),
+        ],
+        r"held-out perplexity: \d+\.\d\d \(2017 baseline: \d+\.\d\d\)",
+        ("llama_docstrings.keras",),
+    ),
 }
 
 
