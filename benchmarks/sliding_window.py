@@ -10,10 +10,11 @@ to 256 and to 2048 tokens, once with full caches and once with
 `sliding_window=64` on every decoder, whose caches then roll: they hold 64
 positions however long the sequence. Reported: milliseconds per generated
 token (median of `--rounds` runs after a warm-up run that compiles), and the
-self-attention cache memory at the last step, from the shapes the generator
-keeps (`batch x 2 x kv_heads x positions x head_dim x 4 bytes`, summed over
-decoders; a full cache grows to the sequence length, a rolling one stays at
-the window). Untrained weights: the tokens are arbitrary, the work is not.
+self-attention cache memory at the last step, computed from the cache lengths
+`generate` allocates (`batch x 2 x kv_heads x positions x head_dim x 4 bytes`,
+summed over decoders: a full cache grows to the sequence length, a rolling one
+stays at the window; tests/test_generation.py checks those lengths).
+Untrained weights: the tokens are arbitrary, the work is not.
 
 Results go to `benchmarks/results/sliding_window_<backend>.md` (or
 `--results DIR`).

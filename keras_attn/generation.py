@@ -38,6 +38,8 @@ PER_TOKEN_LAYERS = tuple(
     if hasattr(keras.layers, name)
 )
 
+# Keras' tied embedding (`reverse=True` gives logits), where Keras has it.
+_REVERSIBLE_EMBEDDING = getattr(keras.layers, "ReversibleEmbedding", ())
 _GENERATORS = weakref.WeakKeyDictionary()  # model -> {settings: _Generator}
 
 
@@ -411,9 +413,7 @@ def _is_token_embedding(layer, kwargs):
 
 
 def _is_tied_head(layer, kwargs):
-    return isinstance(layer, keras.layers.ReversibleEmbedding) and bool(
-        kwargs.get("reverse")
-    )
+    return isinstance(layer, _REVERSIBLE_EMBEDDING) and bool(kwargs.get("reverse"))
 
 
 def _is_sequence(tensor):
@@ -447,7 +447,7 @@ def _producers(model):
 def _tied_embedding(layer, nodes):
     """Whether `layer` is a `ReversibleEmbedding` called forward, then reversed."""
     reverse = sorted(bool(node.arguments.kwargs.get("reverse")) for node in nodes)
-    return isinstance(layer, keras.layers.ReversibleEmbedding) and reverse == [
+    return isinstance(layer, _REVERSIBLE_EMBEDDING) and reverse == [
         False,
         True,
     ]
@@ -555,15 +555,8 @@ class _Generator(keras.Model):
         logits, caches = self._step(prompt, 0, caches, keys, context, prefill=True)
         # Sliding-window decoders keep the last `w` positions from here on
         # (`_rolling_call`): slots for positions width - w + 1, ..., width.
-        width = prompt.shape[1]
         caches = [
-            cache
-            if not window
-            else ops.slice(
-                _pad_to(cache, first + window, 0, axis=3, front=True),
-                [0, 0, 0, width + 1, 0],
-                (*ops.shape(cache)[:3], window, cache.shape[4]),
-            )
+            _last_positions(cache, prompt.shape[1], window) if window else cache
             for cache, window in zip(caches, self.windows, strict=True)
         ]
         return logits[:, -1], caches, keys, context
@@ -769,6 +762,16 @@ def _segments(first, length, smallest=64):
         segments.append(size)
         size *= 2
     return segments + [length]
+
+
+def _last_positions(cache, width, window):
+    """The rolling cache after a prompt of `width` tokens: slots for positions
+    `width - window + 1, ..., width` (the last one free; before 0, zeros)."""
+    cache = _pad_to(cache, max(cache.shape[3], width + 1), 0, axis=3)
+    padded = _pad_to(cache, cache.shape[3] + window, 0, axis=3, front=True)
+    return ops.slice(  # position p sits at p + window
+        padded, [0, 0, 0, width + 1, 0], (*ops.shape(cache)[:3], window, cache.shape[4])
+    )
 
 
 def _pad_to(x, size, value, axis=1, front=False):

@@ -5,6 +5,7 @@ Every function here is stateless and backend-agnostic. Shapes use `B` batch,
 """
 
 import math
+import numbers
 
 import keras
 import numpy as np
@@ -99,27 +100,9 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     >>> bool(np.allclose(keras.ops.convert_to_numpy(y)[0, 0], 1.0))  # position 0
     True
     """
-    dim = x.shape[-1]
-    if len(x.shape) != 4 or dim is None or dim % 2:
-        raise ValueError(
-            "`rotary_embedding` needs `x` of shape (batch, length, heads, dim) "
-            "with an even, known `dim` (channels rotate in pairs). "
-            f"Received: x.shape={tuple(x.shape)}."
-        )
     positions = ops.cast(ops.convert_to_tensor(positions), "float32")
-    if len(positions.shape) not in (1, 2):
-        raise ValueError(
-            "`positions` must be (length,) or (batch, length). "
-            f"Received: positions.shape={tuple(positions.shape)}."
-        )
-    for name, value in (
-        ("max_wavelength", max_wavelength),
-        ("scaling_factor", scaling_factor),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ValueError(
-                f"`{name}` must be a number > 0. Received: {name}={value!r}."
-            )
+    _check_rotary(x, positions, max_wavelength, scaling_factor)
+    dim = x.shape[-1]
     inverse_frequency = np.power(
         float(max_wavelength), -np.arange(0, dim, 2) / dim, dtype=np.float64
     ) / float(scaling_factor)
@@ -135,6 +118,39 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     x32 = ops.cast(x, "float32")
     output = x32 * cos + ops.cast(rotated, "float32") * sin
     return ops.cast(output, x.dtype)
+
+
+def _check_rotary(x, positions, max_wavelength, scaling_factor):
+    dim = x.shape[-1]
+    if len(x.shape) != 4 or dim is None or dim % 2:
+        raise ValueError(
+            "`rotary_embedding` needs `x` of shape (batch, length, heads, dim) "
+            "with an even, known `dim` (channels rotate in pairs). "
+            f"Received: x.shape={tuple(x.shape)}."
+        )
+    shape = tuple(positions.shape)
+    expected = {1: (x.shape[1],), 2: (x.shape[0], x.shape[1])}.get(len(shape))
+    if len(shape) == 2 and shape[0] == 1:  # (1, length): every row
+        expected = (1, x.shape[1])
+    if expected is None or any(
+        isinstance(a, int) and isinstance(b, int) and a != b
+        for a, b in zip(shape, expected, strict=True)
+    ):
+        raise ValueError(
+            "`positions` must be (length,) or (batch, length), or (1, length), "
+            f"for x.shape={tuple(x.shape)}. Received: positions.shape={shape}."
+        )
+    for name, value in (
+        ("max_wavelength", max_wavelength),
+        ("scaling_factor", scaling_factor),
+    ):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"`{name}` must be a number > 0. Received: {name}={value!r} "
+                f"of type {type(value).__name__}."
+            )
+        if not value > 0:
+            raise ValueError(f"`{name}` must be > 0. Received: {name}={value!r}.")
 
 
 def _offsets(query_length, key_length, query_offset):
@@ -500,6 +516,10 @@ def dot_product_attention(
     >>> tuple(out.shape)
     (2, 3, 4, 8)
     """
+    if logit_soft_cap is not None and not logit_soft_cap > 0:
+        raise ValueError(
+            f"`logit_soft_cap` must be > 0. Received: logit_soft_cap={logit_soft_cap}."
+        )
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # Scaled once, before either kernel: both then see the same scaled query.
     query = ops.multiply(query, ops.cast(scale, query.dtype))

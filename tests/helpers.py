@@ -114,6 +114,7 @@ def run_layer_contract(
     expected_output_shape=None,
     tmp_path=None,
     mixed_precision=True,
+    machinery=True,
 ):
     """The contract: config round trip, explicit build, eager and symbolic calls,
     `compute_output_shape`/`compute_output_spec`, `.keras` save/load,
@@ -130,6 +131,8 @@ def run_layer_contract(
         tmp_path: directory for the `.keras` files; without it, nothing is
             saved (and Keras' machinery is not checked).
         mixed_precision: whether to check the mixed policies too.
+        machinery: whether to check quantize, LoRA and policy maps (each
+            with a `.keras` round trip).
     """
     call_kwargs = call_kwargs or {}
     check_config_round_trip(layer_cls, init_kwargs)
@@ -161,7 +164,7 @@ def run_layer_contract(
     if mixed_precision:
         for policy in ("mixed_float16", "mixed_bfloat16"):
             check_mixed_precision(layer_cls, init_kwargs, inputs, call_kwargs, policy)
-    if tmp_path is not None and _quantizable_sublayers(layer):
+    if machinery and tmp_path is not None and _quantizable_sublayers(layer):
         for mode in QUANTIZATION_TOLERANCE:
             check_quantization(
                 layer_cls, init_kwargs, inputs, call_kwargs, mode, tmp_path
@@ -327,20 +330,23 @@ def check_dtype_policy_map(layer_cls, init_kwargs, inputs, call_kwargs, tmp_path
 EPS32 = 2.0**-24
 
 
-def dot_product_reference(query, key, value, mask=None, bias=None):
+def dot_product_reference(query, key, value, mask=None, bias=None, soft_cap=None):
     """softmax(QK^T / sqrt(D) + bias) V in float64, the formula of
     `keras_attn.ops.dot_product_attention`.
 
     `query` `(B, T, H, D)`; `key`, `value` `(B, S, K, D|Dv)` with `K` dividing
     `H` (query head `h` uses key/value head `h // (H // K)`); `mask`: bool
     broadcastable to `(B, H, T, S)`, True where attention is allowed; `bias`:
-    float broadcastable to `(B, H, T, S)`. Returns `(context (B, T, H, Dv),
-    weights (B, H, T, S))`; a query row that may attend to no key gives zeros
-    (the documented behaviour), not NaN.
+    float broadcastable to `(B, H, T, S)`; `soft_cap`: logits become
+    `soft_cap * tanh(logits / soft_cap)` before the bias. Returns
+    `(context (B, T, H, Dv), weights (B, H, T, S))`; a query row that may
+    attend to no key gives zeros (the documented behaviour), not NaN.
     """
     group = query.shape[2] // key.shape[2]
     key, value = np.repeat(key, group, axis=2), np.repeat(value, group, axis=2)
     logits = np.einsum("bthd,bshd->bhts", query, key) / np.sqrt(query.shape[-1])
+    if soft_cap is not None:  # Gemma 2
+        logits = soft_cap * np.tanh(logits / soft_cap)
     if bias is not None:
         logits = logits + bias
     if mask is not None:
@@ -383,6 +389,18 @@ def reference_encoding(length, dim, max_wavelength=10000.0, start=0):
     i = np.arange(dim)[None, :]
     angles = pos / np.power(max_wavelength, (2 * (i // 2)) / dim)
     return np.where(i % 2 == 0, np.sin(angles), np.cos(angles)), angles
+
+
+def rotary_reference(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
+    """Rotate-half RoPE in float64, from its definition; and the angles."""
+    dim = x.shape[-1]
+    inverse = np.power(max_wavelength, -np.arange(0, dim, 2) / dim) / scaling_factor
+    angles = np.asarray(positions, np.float64)[..., None] * inverse  # (..., T, D/2)
+    angles = np.concatenate([angles, angles], -1)
+    angles = angles[..., None, :] if angles.ndim == 3 else angles[None, :, None, :]
+    half = dim // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * np.cos(angles) + rotated * np.sin(angles), angles
 
 
 def masking_bias(mask):

@@ -305,6 +305,34 @@ def test_a_sliding_window_decoder_caches_only_its_window(monkeypatch):
     assert_greedy(to_numpy(model(tokens)), tokens, start=4)
 
 
+def test_rolling_caches_in_beam_search_and_encoder_decoder_models():
+    """Beam search of one beam equals greedy with a rolling cache; a windowed
+    decoder with cross-attention decodes as its naive loop; a prompt as long
+    as `max_length` returns unchanged."""
+    model = llama_model(window=2)
+    prompts = np.array([[0, 3, 4, 5], [6, 7, 8, 9]])
+    greedy = generate(model, prompts, max_length=12)
+    beam = generate(model, prompts, 12, method="beam", num_beams=1)
+    np.testing.assert_array_equal(beam, greedy)
+    np.testing.assert_array_equal(generate(model, prompts, 4), prompts)
+    keras.utils.set_random_seed(2)
+    source = keras.Input((None,), dtype="int32", name="source")
+    target = keras.Input((None,), dtype="int32", name="target")
+    embed = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )
+    memory = keras_attn.TransformerEncoder(32, 4)(embed(source))
+    y = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )(target)
+    y = keras_attn.TransformerDecoder(32, 4, sliding_window=2)(y, memory)
+    translator = keras.Model([source, target], keras.layers.Dense(VOCAB)(y))
+    sources = np.array([[3, 4, 5, 6, 7], [8, 9, 0, 0, 0]])
+    tokens = generate(translator, [sources, np.ones((2, 1), "int32")], 9)
+    for row, row_source in zip(tokens, sources, strict=True):
+        assert row.tolist() == naive_greedy(translator, [1], 9, source=row_source)
+
+
 def test_prompts_of_another_width_reuse_nothing_stale(gpt):
     """A second call with a wider prompt gets its own compiled loops."""
     short, wide = np.array([[3, 4, 5]]), np.array([[3, 4, 5, 6, 7]])

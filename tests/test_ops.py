@@ -13,6 +13,7 @@ from tests.helpers import (
     dot_product_reference,
     random_floats,
     reference_encoding,
+    rotary_reference,
     to_numpy,
 )
 
@@ -48,18 +49,6 @@ def test_sinusoid_interleaves_sin_and_cos():
     )
 
 
-def rotary_reference(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
-    """Rotate-half RoPE in float64, from its definition; and the angles."""
-    dim = x.shape[-1]
-    inverse = np.power(max_wavelength, -np.arange(0, dim, 2) / dim) / scaling_factor
-    angles = np.asarray(positions, np.float64)[..., None] * inverse  # (..., T, D/2)
-    angles = np.concatenate([angles, angles], -1)
-    angles = angles[..., None, :] if angles.ndim == 3 else angles[None, :, None, :]
-    half = dim // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
-    return x * np.cos(angles) + rotated * np.sin(angles), angles
-
-
 @pytest.mark.parametrize(
     "positions, dim, max_wavelength, scaling_factor",
     [
@@ -88,6 +77,34 @@ def test_rotary_embedding_matches_the_formula(
     np.testing.assert_allclose(rotated[small], expected[small], atol=2e-6)
 
 
+def test_rotary_embedding_bad_types():
+    x = random_floats(1, 3, 2, 4)
+    with pytest.raises(TypeError, match=r"max_wavelength='1e4' of type str"):
+        attn_ops.rotary_embedding(x, np.arange(3), max_wavelength="1e4")
+    # numpy scalars are numbers
+    attn_ops.rotary_embedding(x, np.arange(3), max_wavelength=np.float32(1e4))
+
+
+def test_soft_capped_attention_matches_the_formula():
+    q, k, v = (
+        random_floats(2, 3, 4, 8, scale=4.0),
+        random_floats(2, 5, 2, 8),
+        random_floats(2, 5, 2, 8, seed=1),
+    )
+    mask = np.tril(np.ones((3, 5), bool), 2)
+    output = attn_ops.dot_product_attention(q, k, v, mask=mask, logit_soft_cap=2.0)
+    expected, _ = dot_product_reference(q, k, v, mask, soft_cap=2.0)
+    np.testing.assert_allclose(to_numpy(output), expected, atol=2e-5)
+    uncapped = to_numpy(attn_ops.dot_product_attention(q, k, v, mask=mask))
+    assert not np.allclose(uncapped, expected, atol=1e-3)
+    with pytest.raises(ValueError, match=r"logit_soft_cap=0"):
+        attn_ops.dot_product_attention(q, k, v, logit_soft_cap=0)
+    with pytest.raises(ValueError, match=r"cannot compute attention with soft-capped"):
+        attn_ops.dot_product_attention(
+            q, k, v, flash_attention=True, logit_soft_cap=2.0
+        )
+
+
 def test_rotary_embedding_keeps_norms_and_half_precision():
     x = random_floats(1, 5, 2, 8)
     rotated = to_numpy(attn_ops.rotary_embedding(x, np.arange(5) * 100))
@@ -106,8 +123,18 @@ def test_rotary_embedding_keeps_norms_and_half_precision():
         (random_floats(1, 3, 2, 4), np.zeros((1, 1, 3)), {}, r"positions.shape"),
         (random_floats(1, 3, 2, 4), np.arange(3), {"scaling_factor": 0}, r"=0"),
         (random_floats(1, 3, 2, 4), np.arange(3), {"max_wavelength": -1.0}, r"-1.0"),
+        (random_floats(1, 3, 2, 4), np.arange(1), {}, r"positions.shape=\(1,\)"),
+        (random_floats(2, 3, 2, 4), np.zeros((3, 3)), {}, r"positions.shape=\(3, 3\)"),
     ],
-    ids=["odd-dim", "rank-3", "positions-rank-3", "scaling-0", "wavelength-negative"],
+    ids=[
+        "odd-dim",
+        "rank-3",
+        "positions-rank-3",
+        "scaling-0",
+        "wavelength-negative",
+        "positions-length",
+        "positions-batch",
+    ],
 )
 def test_rotary_embedding_bad_arguments(x, positions, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -8,6 +8,7 @@ from keras_attn.layers._utils import (
     check_bool,
     check_flash_attention,
     check_float,
+    check_modern_attention,
     check_one_of,
     check_positive_float,
     check_positive_int,
@@ -88,7 +89,6 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         self.flash_attention = check_bool(
             "flash_attention", flash_attention, allow_none=True
         )
-        check_flash_attention(self.flash_attention, self.dropout)
         self.use_gate = check_bool("use_gate", use_gate)
         self.sliding_window = check_positive_int(
             "sliding_window", sliding_window, allow_none=True
@@ -98,17 +98,12 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         )
         self.gated_feedforward = check_bool("gated_feedforward", gated_feedforward)
         self.use_bias = check_bool("use_bias", use_bias)
-        self.normalize_qk = check_bool("normalize_qk", normalize_qk)
-        self.logit_soft_cap = check_positive_float(
-            "logit_soft_cap", logit_soft_cap, allow_none=True
+        options = check_modern_attention(
+            rope_max_wavelength, rope_scaling_factor, normalize_qk, logit_soft_cap
         )
+        for name, value in options.items():
+            setattr(self, name, value)
         check_flash_attention(self.flash_attention, self.dropout, self.logit_soft_cap)
-        self.rope_max_wavelength = check_positive_float(
-            "rope_max_wavelength", rope_max_wavelength, allow_none=True
-        )
-        self.rope_scaling_factor = check_positive_float(
-            "rope_scaling_factor", rope_scaling_factor
-        )
         self.supports_masking = True
 
     def _check_width(self, name, shape):

@@ -169,6 +169,32 @@ def check_flash_attention(flash_attention, dropout, logit_soft_cap=None):
         )
 
 
+def check_modern_attention(
+    rope_max_wavelength, rope_scaling_factor, normalize_qk, logit_soft_cap
+):
+    """The attention options of today's families, checked, by name: rotary
+    positions, QK-norm and logit soft-capping."""
+    options = dict(
+        rope_max_wavelength=check_positive_float(
+            "rope_max_wavelength", rope_max_wavelength, allow_none=True
+        ),
+        rope_scaling_factor=check_positive_float(
+            "rope_scaling_factor", rope_scaling_factor
+        ),
+        normalize_qk=check_bool("normalize_qk", normalize_qk),
+        logit_soft_cap=check_positive_float(
+            "logit_soft_cap", logit_soft_cap, allow_none=True
+        ),
+    )
+    if rope_max_wavelength is None and options["rope_scaling_factor"] != 1.0:
+        raise ValueError(
+            "`rope_scaling_factor` scales rotary positions, and there are none "
+            "without `rope_max_wavelength`. Received: rope_scaling_factor="
+            f"{rope_scaling_factor}, rope_max_wavelength=None."
+        )
+    return options
+
+
 def namespace(arguments):
     """A call's `locals()` as attributes, without `self`."""
     return types.SimpleNamespace(**{k: v for k, v in arguments.items() if k != "self"})

@@ -15,6 +15,7 @@ from keras_attn.layers._utils import (
     check_float,
     check_index,
     check_mask,
+    check_modern_attention,
     check_positions,
     check_positive_float,
     check_positive_int,
@@ -117,9 +118,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             the causal sliding window of Mistral. Defaults to `None`.
         flash_attention: `None` (fused kernels where they compute the same),
             `True` (require the backend's flash kernel: raises with `dropout`,
-            with `return_attention_scores=True`, and where the backend has no
-            flash kernel) or `False` (always the explicit path). Defaults to
-            `None`.
+            `logit_soft_cap`, `return_attention_scores=True`, and where the
+            backend has no flash kernel) or `False` (always the explicit
+            path). Defaults to `None`.
         kernel_initializer: initializer of the kernels. Defaults to
             `"glorot_uniform"` (fans of the 2-D projection matrices).
         bias_initializer: initializer of the biases. Defaults to `"zeros"`.
@@ -147,7 +148,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         normalize_qk: bool, keyword only. RMS-normalize queries and keys per
             head (sublayers `query_norm`, `key_norm`, Keras'
             `RMSNormalization`) before the rotation and the dot product, as in
-            Gemma 3 and OLMo 2. Defaults to `False`.
+            Gemma 3. Defaults to `False`.
         qk_norm_epsilon: float, keyword only. Epsilon of the QK-norms.
             Defaults to `1e-6`.
         logit_soft_cap: float, keyword only. Soft-cap the scaled logits to
@@ -189,9 +190,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         positions: optional int tensor `(query_length,)` or
             `(batch, query_length)`: the rotary positions of the queries (and,
             in self-attention, of the new keys), e.g. per row for left-padded
-            prompts. Defaults to `cache_update_index` (or 0) onwards; keys of
-            another sequence count from there on their own. Used with
-            `rope_max_wavelength` only.
+            prompts. Defaults to `cache_update_index` (or 0) onwards. For
+            self-attention only (no `value`, or `value` the query itself):
+            keys of another sequence sit at `cache_update_index` (or 0)
+            onwards. Needs `rope_max_wavelength`.
         mask: filled in by Keras with the query's Keras mask when the query is
             the only tensor argument (self-attention); in self-attention it masks
             the keys as `value_mask` does.
@@ -293,17 +295,12 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 "`num_key_value_heads` must divide `num_heads`. Received: "
                 f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
             )
-        self.rope_max_wavelength = check_positive_float(
-            "rope_max_wavelength", rope_max_wavelength, allow_none=True
+        options = check_modern_attention(
+            rope_max_wavelength, rope_scaling_factor, normalize_qk, logit_soft_cap
         )
-        self.rope_scaling_factor = check_positive_float(
-            "rope_scaling_factor", rope_scaling_factor
-        )
-        self.normalize_qk = check_bool("normalize_qk", normalize_qk)
+        for name, value in options.items():
+            setattr(self, name, value)
         self.qk_norm_epsilon = check_positive_float("qk_norm_epsilon", qk_norm_epsilon)
-        self.logit_soft_cap = check_positive_float(
-            "logit_soft_cap", logit_soft_cap, allow_none=True
-        )
         check_flash_attention(self.flash_attention, self.dropout, self.logit_soft_cap)
         if self.flash_attention and _differ(self.value_dim or key_dim, key_dim):
             raise ValueError(
@@ -330,10 +327,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
                 f"query width={query_width}. Pass `key_dim` explicitly or choose "
                 "a divisor of the width."
             )
-        self._axes = axes
         self._check_rope(
             rank=len(query_shape), key_dim=self.key_dim or query_width // self.num_heads
         )
+        self._axes = axes
         self._widths = {
             "query": query_width,
             "key": key_shape[-1],
@@ -497,7 +494,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         positions=None,
         mask=None,
     ):
-        self_attention = value is None
+        self_attention = value is None or (value is query and key in (None, query))
         value, key, value_mask = self._resolve_inputs(
             query, value, key, value_mask, query_mask, mask, cache
         )
@@ -828,6 +825,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         positions=None,
         mask=None,
     ):
+        self_attention = value is None or (value is query and key in (None, query))
         value, key, value_mask = self._resolve_inputs(
             query, value, key, value_mask, query_mask, mask, cache
         )
@@ -872,6 +870,24 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         self._check_attention_mask(args.attention_mask, inner, key_inner)
         self._check_attention_bias(args.attention_bias, inner, key_inner)
         check_positions(args.positions, *inner[:2], self.rope_max_wavelength)
+        if args.positions is not None and not args.self_attention:
+            raise ValueError(
+                "`positions` are the rotary positions of a self-attention's "
+                "tokens; call it as `layer(query)` (or with `value` the very "
+                "query tensor). Keys of another sequence sit at 0, 1, ... "
+                "Received: positions with a separate `value`."
+            )
+        if (
+            self.rope_max_wavelength is not None
+            and cache is not None
+            and args.cache_update_index is None
+            and args.positions is None
+        ):
+            raise ValueError(
+                "With rotary positions, a precomputed `cache` (no "
+                "`cache_update_index`) needs the queries' `positions`: nothing "
+                "else tells where they sit. Received: positions=None."
+            )
 
     def _check_cache_arguments(self, args, key_inner):
         """Check `cache` and `cache_update_index`; return the keys' inner shape."""

@@ -19,8 +19,11 @@ class TransformerEncoder(TransformerBlock):
     `padding_mask`; the output carries the input's Keras mask.
 
     Sublayers: `self_attention` (`keras_attn.MultiHeadAttention`),
-    `self_attention_layer_norm`, `feedforward_intermediate_dense`,
-    `feedforward_output_dense`, `feedforward_layer_norm`.
+    `self_attention_layer_norm`, `feedforward_layer_norm`,
+    `feedforward_intermediate_dense`, (`feedforward_gate_dense` with
+    `gated_feedforward`), `feedforward_output_dense`. The norms are
+    `RMSNormalization`s with `normalization="rms_norm"`; the attention has
+    `query_norm` and `key_norm` with `normalize_qk`.
 
     Args:
         intermediate_dim: int. Hidden width of the feed-forward network.
@@ -57,7 +60,7 @@ class TransformerEncoder(TransformerBlock):
             projections', the feed-forward matrices' and the layer norms'
             offsets (as LLaMA). Defaults to `True`.
         normalize_qk: bool, keyword only. RMS-normalize queries and keys per
-            head before the dot product (Gemma 3, OLMo 2), with
+            head before the dot product (Gemma 3), with
             `layer_norm_epsilon`. Defaults to `False`.
         logit_soft_cap: float, keyword only. Soft-cap the attention logits to
             `cap * tanh(logits / cap)` (Gemma 2). Defaults to `None`.

@@ -126,6 +126,13 @@ def attention_rows(cls):
         *positive_float_rows(cls, "rope_scaling_factor"),
         init_row(
             cls,
+            {"rope_scaling_factor": 2.0},
+            ValueError,
+            r"`rope_scaling_factor` scales rotary positions.*rope_scaling_factor=2.0, "
+            r"rope_max_wavelength=None",
+        ),
+        init_row(
+            cls,
             {"flash_attention": True, "logit_soft_cap": 30.0},
             ValueError,
             r"`flash_attention=True` needs.*soft-cap.*logit_soft_cap=30.0",
@@ -297,6 +304,13 @@ def mha_rotary():
     return layer, {"query": random_floats(B, T, W)}
 
 
+def mha_rotary_cached():
+    """Cross-attention with rotary positions into a precomputed cache."""
+    layer, kwargs = mha_rotary()
+    cache = layer.compute_cache(random_floats(B, S, W))
+    return layer, {**kwargs, "cache": cache, "positions": np.arange(T)}
+
+
 def decoder_rotary():
     layer = built(TransformerDecoder(16, 2, rope_max_wavelength=100.0), (B, T, W))
     return layer, {"decoder_sequence": random_floats(B, T, W)}
@@ -355,6 +369,7 @@ def float_embedding():
 TARGETS = (
     mha_cross,
     mha_rotary,
+    mha_rotary_cached,
     decoder_rotary,
     mha_cached,
     encoder,
@@ -533,10 +548,23 @@ CALL_ROWS = [
     dtype_row(mha_cross, "attention_bias", np.zeros((T, S), "int32")),
     *positions_rows(mha_rotary, "positions"),
     call_row(
+        mha_rotary_cached,
+        {"positions": None},
+        ValueError,
+        r"precomputed `cache` \(no `cache_update_index`\) needs the queries' "
+        r"`positions`",
+    ),
+    call_row(
         mha_cross,
         {"positions": np.arange(T)},
         ValueError,
         r"`positions` are rotary positions.*rope_max_wavelength=None",
+    ),
+    call_row(
+        mha_rotary,
+        {"value": random_floats(B, T, W), "positions": np.arange(T)},
+        ValueError,
+        r"`positions` are the rotary positions of a self-attention",
     ),
     call_row(
         mha_cached,
@@ -690,6 +718,18 @@ CALL_ROWS = [
         )
     ),
     # Errors in `build`: no weight may be created.
+    call_row(
+        unbuilt(MultiHeadAttention, num_heads=2, key_dim=3, rope_max_wavelength=1e4),
+        {"query": random_floats(B, T, W)},
+        ValueError,
+        r"Rotary position embeddings.*even `key_dim`.*rank 3, key_dim=3",
+    ),
+    call_row(
+        unbuilt(MultiHeadAttention, num_heads=2, rope_max_wavelength=1e4),
+        {"query": random_floats(B, T, 2, W)},
+        ValueError,
+        r"Rotary position embeddings.*inputs of rank 4, key_dim=4",
+    ),
     call_row(
         unbuilt(MultiHeadAttention, num_heads=3),
         {"query": random_floats(B, T, W)},

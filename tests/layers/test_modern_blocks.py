@@ -129,7 +129,8 @@ def from_gemma(name, value):
     return value + 1.0 if name.endswith("norm/scale") else value
 
 
-@pytest.mark.parametrize("soft_cap", [None, 5.0], ids=["gemma", "soft-capped"])
+# A cap of 0.5 changes these outputs by ~5: the test sees whether it is applied.
+@pytest.mark.parametrize("soft_cap", [None, 0.5], ids=["gemma", "soft-capped"])
 def test_gemma_block_same_numbers_as_keras_hub(soft_cap):
     """Gemma's block with GeGLU (tanh-approximated GELU, as Gemma), RMSNorm
     and RoPE; with `logit_soft_cap`, Gemma 2's soft-capping. Gemma's RoPE
@@ -182,13 +183,20 @@ def test_llama_block_parameter_count_is_the_closed_formula():
 )
 def test_rotary_attention_depends_only_on_relative_positions(layer):
     """Shifting every position by the same offset changes no output, and
-    reversing the tokens does change it (the positions matter)."""
+    reversing the tokens (with no causal mask) does change it: the positions
+    matter. Keras' `layer(x, x)` is self-attention too."""
     x = random_floats(2, 6, WIDTH)
-    output = to_numpy(layer(x))
-    shifted = to_numpy(layer(x, positions=np.arange(6) + 1000))
+    kwargs = {"use_causal_mask": False}
+    output = to_numpy(layer(x, **kwargs))
+    shifted = to_numpy(layer(x, positions=np.arange(6) + 1000, **kwargs))
     np.testing.assert_allclose(shifted, output, atol=2e-5)
-    reversed_back = to_numpy(layer(x[:, ::-1].copy()))[:, ::-1]
+    reversed_back = to_numpy(layer(x[:, ::-1].copy(), **kwargs))[:, ::-1]
     assert not np.allclose(reversed_back, output, atol=1e-3)
+    if isinstance(layer, MultiHeadAttention):  # Keras' form, `layer(x, x)`
+        per_row = np.stack([np.arange(6) + 7, np.arange(6) + 300])
+        x = keras.ops.convert_to_tensor(x)
+        keras_style = to_numpy(layer(x, x, positions=per_row))
+        np.testing.assert_allclose(keras_style, output, atol=2e-5)
 
 
 def test_encoder_rotates_the_positions_of_its_self_attention():
@@ -246,20 +254,22 @@ MODERN = dict(normalize_qk=True, logit_soft_cap=30.0, rope_scaling_factor=2.0)
         ),
         (
             TransformerEncoder,
-            {**LLAMA, "normalization": "layer_norm", "use_bias": True},
+            {**LLAMA, "normalization": "layer_norm"},  # no offsets
             {"inputs": random_floats(2, 5, WIDTH)},
         ),
     ],
     ids=["attention", "llama-decoder", "encoder"],
 )
 def test_layer_contract_with_every_new_option(tmp_path, layer_cls, kwargs, inputs):
-    """Config, `.keras` round trip, spec, jit, mixed precision, quantize, LoRA
-    and dtype policy maps with RoPE, QK-norm, soft-capping (and in the blocks
-    RMSNorm, the gated network, no biases, a window)."""
+    """Config, `.keras` round trip, spec, jit and mixed precision with RoPE,
+    QK-norm, soft-capping (and in the blocks RMSNorm, the gated network, no
+    biases, a window); quantize, LoRA and dtype policy maps on the LLaMA
+    block, which has every sublayer kind the others have."""
     run_layer_contract(
         layer_cls,
         {**kwargs, **MODERN},
         inputs,
         expected_output_shape=(2, 5, WIDTH),
         tmp_path=tmp_path,
+        machinery=layer_cls is TransformerDecoder,
     )
