@@ -170,8 +170,9 @@ def translator():
     return encoder_decoder_model()
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_greedy_equals_naive_loop_decoder_only(gpt, side):
+def check_padded_prompts_against_naive_loop(model, side, max_length):
+    """Greedy `generate` on three prompts padded on `side` equals the naive
+    loop, row by row; returns the tokens."""
     prompts = [[3, 4, 5, 6], [7, 8], [9, 1, 2]]
     padded = np.zeros((3, 4), "int32")
     for row, prompt in zip(padded, prompts, strict=True):
@@ -179,15 +180,21 @@ def test_greedy_equals_naive_loop_decoder_only(gpt, side):
             row[4 - len(prompt) :] = prompt
         else:
             row[: len(prompt)] = prompt
-    tokens = generate(gpt, padded, max_length=11)
-    assert tokens.shape == (3, 11) and tokens.dtype == np.int32
+    tokens = generate(model, padded, max_length=max_length)
     for row, prompt, padded_row in zip(tokens, prompts, padded, strict=True):
         pads = 4 - len(prompt)
         if side == "left":  # each row gets max_length - prompt width new tokens
-            expected = naive_greedy(gpt, prompt, 11 - pads)
+            expected = naive_greedy(model, prompt, max_length - pads)
             assert row.tolist() == padded_row[:pads].tolist() + expected
         else:  # each row is filled up to max_length
-            assert row.tolist() == naive_greedy(gpt, prompt, 11)
+            assert row.tolist() == naive_greedy(model, prompt, max_length)
+    return tokens
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_greedy_equals_naive_loop_decoder_only(gpt, side):
+    tokens = check_padded_prompts_against_naive_loop(gpt, side, 11)
+    assert tokens.shape == (3, 11) and tokens.dtype == np.int32
 
 
 def test_greedy_equals_naive_loop_encoder_decoder(translator):
@@ -254,24 +261,7 @@ def llama_model(seed=0, tied=True, window=3):
 def test_greedy_equals_naive_loop_with_rope_and_a_tied_head(side):
     """Rotary positions per row (padded prompts), a sliding window across the
     cache segments, and the tied head: every token is the full pass's argmax."""
-    model = llama_model()
-    prompts = [[3, 4, 5, 6], [7, 8], [9, 1, 2]]
-    padded = np.zeros((3, 4), "int32")
-    for row, prompt in zip(padded, prompts, strict=True):
-        if side == "left":
-            row[4 - len(prompt) :] = prompt
-        else:
-            row[: len(prompt)] = prompt
-    tokens = generate(model, padded, max_length=10)
-    for row, prompt, padded_row in zip(tokens, prompts, padded, strict=True):
-        pads = 4 - len(prompt)
-        if side == "left":
-            expected = padded_row[:pads].tolist() + naive_greedy(
-                model, prompt, 10 - pads
-            )
-        else:
-            expected = naive_greedy(model, prompt, 10)
-        assert row.tolist() == expected
+    check_padded_prompts_against_naive_loop(llama_model(), side, 10)
 
 
 def test_rope_generation_crosses_cache_segments():

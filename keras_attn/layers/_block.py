@@ -8,6 +8,7 @@ from keras_attn.layers._utils import (
     check_bool,
     check_flash_attention,
     check_float,
+    check_key_value_heads,
     check_modern_attention,
     check_one_of,
     check_positive_float,
@@ -78,14 +79,9 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         )
         self.normalize_first = check_bool("normalize_first", normalize_first)
         self.key_dim = check_positive_int("key_dim", key_dim, allow_none=True)
-        self.num_key_value_heads = check_positive_int(
-            "num_key_value_heads", num_key_value_heads, allow_none=True
+        self.num_key_value_heads = check_key_value_heads(
+            self.num_heads, num_key_value_heads
         )
-        if self.num_key_value_heads and num_heads % self.num_key_value_heads:
-            raise ValueError(
-                "`num_key_value_heads` must divide `num_heads`. Received: "
-                f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
-            )
         self.flash_attention = check_bool(
             "flash_attention", flash_attention, allow_none=True
         )

@@ -169,6 +169,20 @@ def check_flash_attention(flash_attention, dropout, logit_soft_cap=None):
         )
 
 
+def check_key_value_heads(num_heads, num_key_value_heads):
+    """`num_key_value_heads`, checked: `None` or a positive divisor of
+    `num_heads` (grouped-query attention)."""
+    num_key_value_heads = check_positive_int(
+        "num_key_value_heads", num_key_value_heads, allow_none=True
+    )
+    if num_key_value_heads and num_heads % num_key_value_heads:
+        raise ValueError(
+            "`num_key_value_heads` must divide `num_heads`. Received: "
+            f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
+        )
+    return num_key_value_heads
+
+
 def check_modern_attention(
     rope_max_wavelength, rope_scaling_factor, normalize_qk, logit_soft_cap
 ):

@@ -14,6 +14,7 @@ from keras_attn.layers._utils import (
     check_flash_attention,
     check_float,
     check_index,
+    check_key_value_heads,
     check_mask,
     check_modern_attention,
     check_positions,
@@ -287,14 +288,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         )
         self.use_gate = check_bool("use_gate", use_gate)
         self.seed = check_seed(seed)
-        self.num_key_value_heads = check_positive_int(
-            "num_key_value_heads", num_key_value_heads, allow_none=True
+        self.num_key_value_heads = check_key_value_heads(
+            self.num_heads, num_key_value_heads
         )
-        if self.num_key_value_heads and num_heads % self.num_key_value_heads:
-            raise ValueError(
-                "`num_key_value_heads` must divide `num_heads`. Received: "
-                f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}."
-            )
         options = check_modern_attention(
             rope_max_wavelength, rope_scaling_factor, normalize_qk, logit_soft_cap
         )
@@ -494,8 +490,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         positions=None,
         mask=None,
     ):
-        self_attention = value is None or (value is query and key in (None, query))
-        value, key, value_mask = self._resolve_inputs(
+        value, key, value_mask, self_attention = self._resolve_inputs(
             query, value, key, value_mask, query_mask, mask, cache
         )
         if not self._inputs_checked_by_caller:
@@ -596,13 +591,16 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
 
     @staticmethod
     def _resolve_inputs(query, value, key, value_mask, query_mask, mask, cache):
-        """`value` and `key` default to the query; in self-attention the
-        query's padding mask masks the keys (unless they come from a cache)."""
+        """`(value, key, value_mask, self_attention)`: `value` and `key`
+        default to the query; in self-attention the query's padding mask masks
+        the keys (unless they come from a cache). Self-attention is no
+        `value`, or Keras' `layer(x, x)`: `value` the query tensor itself."""
+        self_attention = value is None or (value is query and key in (None, query))
         if value is None:
             value = query
             if value_mask is None and cache is None:
                 value_mask = query_mask if query_mask is not None else mask
-        return value, value if key is None else key, value_mask
+        return value, value if key is None else key, value_mask, self_attention
 
     def _keys_and_values(self, key, value, cache, cache_update_index, positions):
         """Projected keys and values, read from or written to a cache.
@@ -825,8 +823,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         positions=None,
         mask=None,
     ):
-        self_attention = value is None or (value is query and key in (None, query))
-        value, key, value_mask = self._resolve_inputs(
+        value, key, value_mask, self_attention = self._resolve_inputs(
             query, value, key, value_mask, query_mask, mask, cache
         )
         if self.built and not self._inputs_checked_by_caller:
