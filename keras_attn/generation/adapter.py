@@ -1,0 +1,221 @@
+"""Model adapters: the only code of `generate` that knows about layers.
+
+An adapter offers `prefill(inputs)`, `step(token, index, state)` and
+`grow(state, size)` on a model state (a dict of tensors, batch first). The
+decoding loop and its strategies see only logits and that opaque state.
+"""
+
+import keras
+from keras import ops
+
+from keras_attn.generation.graph import is_decoder
+from keras_attn.layers import SinusoidalEmbedding
+
+
+class ModelAdapter:
+    """Runs a `GraphPlan`'s layers with key/value caches.
+
+    The caches grow in segments (`grow`): a step attends over at most the
+    segment's positions, not the whole `length`. Decoders with a sliding
+    window shorter than `length` keep a rolling cache of their window instead.
+
+    Model state: `caches` (per decoder, `(B, 2, heads, L, head_dim)`), `keys`
+    (`(B, L)`, True where a cache position is a real token), `pads` (`(B,)`,
+    left padding per row), `cross` (cross-attention caches by decoder) and,
+    with a padded source, `source_mask`.
+    """
+
+    def __init__(self, plan, length):
+        self.plan = plan
+        self.layers = plan.layers
+        self.vocabulary_size = plan.vocabulary_size
+        # Per decoder: whether its cache rolls over its window (see `_rolling`).
+        self.rolling = [
+            bool(layer.sliding_window and layer.sliding_window < length)
+            for layer in plan.decoders
+        ]
+
+    def prefill(self, prompt, pads, sources, size):
+        """Run the encoder and the prompt: `(last logits (B, V), state)` with
+        caches of `size` positions (at least the prompt's width + 1)."""
+        batch, width = ops.shape(prompt)[0], prompt.shape[1]
+        state = {"pads": pads, "cross": {}}
+        if self.plan.encoder is not None:
+            state.update(self._encode(sources))
+        state["caches"] = [
+            layer.get_empty_self_attention_cache(batch, size)
+            for layer in self.plan.decoders
+        ]
+        keys = ops.greater_equal(ops.arange(size)[None, :], pads[:, None])
+        mask = padding_mask(self.plan.embedding, prompt)
+        if mask is not None:
+            keys = ops.logical_and(keys, pad_to(mask, size, True))
+        state["keys"] = keys
+        logits, state = self._run(prompt, 0, state, prefill=True)
+        state["caches"] = [  # rolling caches keep the last `window` positions
+            _last_positions(cache, width, layer.sliding_window) if rolls else cache
+            for cache, layer, rolls in zip(
+                state["caches"], self.plan.decoders, self.rolling, strict=True
+            )
+        ]
+        return logits[:, -1], state
+
+    def step(self, token, index, state):
+        """One new token per row `(B,)` at position `index`: `(logits (B, V),
+        state)`."""
+        token = token[:, None]
+        mask = padding_mask(self.plan.embedding, token)
+        if mask is not None:  # a padding id is padding to the model, too
+            state = {**state, "keys": ops.slice_update(state["keys"], [0, index], mask)}
+        logits, state = self._run(token, index, state)
+        return logits[:, -1], state
+
+    def grow(self, state, size):
+        """Caches and key mask padded to `size` positions (zeros, not padding);
+        rolling caches keep their window."""
+        caches = [
+            cache if rolls else pad_to(cache, size, 0, axis=3)
+            for cache, rolls in zip(state["caches"], self.rolling, strict=True)
+        ]
+        return {**state, "caches": caches, "keys": pad_to(state["keys"], size, True)}
+
+    def _encode(self, sources):
+        memory = self.plan.encoder(sources)
+        cross = {
+            str(i): layer.compute_cross_attention_cache(memory)
+            for i, (layer, attends) in enumerate(
+                zip(self.plan.decoders, self.plan.cross_attends, strict=True)
+            )
+            if attends
+        }
+        encoded = {"cross": cross}
+        if self.plan.source_embedding is not None:
+            position, embedding = self.plan.source_embedding
+            encoded["source_mask"] = padding_mask(embedding, sources[position])
+        return encoded
+
+    def _run(self, token_ids, index, state, prefill=False):
+        """Embedding, decoders and head on new tokens at `index`."""
+        start = index - state["pads"]  # (B,): each row's first new position
+        positions = start[:, None] + ops.arange(token_ids.shape[1], dtype="int32")
+        x = self._embed(token_ids, start)
+        caches, decoder = [], 0
+        for layer, _ in self.plan.body:
+            if not is_decoder(layer):
+                x = layer(x)
+                continue
+            kwargs = self._decoder_kwargs(layer, decoder, state, positions)
+            if self.rolling[decoder] and not prefill:
+                x, cache = _rolling_call(layer, x, state, decoder, index, kwargs)
+            else:
+                x, cache, *_ = layer(
+                    x,
+                    decoder_padding_mask=state["keys"],
+                    self_attention_cache=state["caches"][decoder],
+                    self_attention_cache_update_index=index,
+                    **kwargs,
+                )
+            caches.append(cache)
+            decoder += 1
+        for layer, kwargs in self.plan.head:
+            x = layer(x, **kwargs)
+        return ops.cast(x, "float32"), {**state, "caches": caches}
+
+    def _decoder_kwargs(self, layer, decoder, state, positions):
+        cross = state["cross"].get(str(decoder))
+        return dict(
+            encoder_padding_mask=state.get("source_mask")
+            if cross is not None
+            else None,
+            cross_attention_cache=cross,
+            positions=positions if layer.rope_max_wavelength else None,
+        )
+
+    def _embed(self, token_ids, start):
+        embedding = self.plan.embedding
+        if isinstance(embedding, SinusoidalEmbedding):
+            return embedding(token_ids, start_index=start)
+        return embedding(token_ids)
+
+
+class FunctionAdapter:
+    """A user's own `(prefill, step)` pair, for models the graph walk cannot
+    read; see `generate`. One segment: the user's state keeps its shapes."""
+
+    def __init__(self, functions, length):
+        self.prefill_function, self.step_function = functions
+        self.length = length
+        self.vocabulary_size = None  # known from the logits only
+        self.rolling = []
+        owners = [getattr(f, "__self__", None) for f in functions]
+        self.layers = [o for o in owners if isinstance(o, keras.layers.Layer)]
+
+    def prefill(self, prompt, pads, sources, size):
+        logits, state = self.prefill_function(prompt, self.length)
+        return _last(logits), state
+
+    def step(self, token, index, state):
+        logits, state = self.step_function(token[:, None], index, state)
+        return _last(logits), state
+
+    def grow(self, state, size):
+        return state
+
+
+def padding_mask(embedding, token_ids):
+    """The embedding's own mask of `token_ids` (None without one).
+
+    Keras' `ReversibleEmbedding` masks inside `call` and its `compute_mask`
+    returns None, so Keras embeddings answer by `Embedding`'s rule.
+    """
+    if isinstance(embedding, keras.layers.Embedding):
+        return keras.layers.Embedding.compute_mask(embedding, token_ids)
+    return embedding.compute_mask(token_ids)
+
+
+def _last(logits):
+    logits = ops.cast(logits, "float32")
+    return logits[:, -1] if len(logits.shape) == 3 else logits
+
+
+def _rolling_call(layer, x, state, decoder, index, kwargs):
+    """One token at `index` through a sliding-window decoder whose cache holds
+    only its window, `w` positions: `(output, cache)`.
+
+    Slot `s` holds position `index - (w - 1) + s` and the new token goes into
+    the last slot, so the layer's causal window, relative to that slot, allows
+    every slot; `keys` gives which are real tokens. Rolling the cache by one
+    then frees the last slot for the next position. Memory stays `w`
+    positions however long the generation runs.
+    """
+    cache, keys = state["caches"][decoder], state["keys"]
+    window = cache.shape[3]
+    padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
+    slots = ops.slice(padded, [0, index + 1], [ops.shape(keys)[0], window])
+    x, cache, *_ = layer(
+        x,
+        decoder_padding_mask=slots,
+        self_attention_cache=cache,
+        self_attention_cache_update_index=window - 1,
+        **kwargs,
+    )
+    return x, ops.roll(cache, -1, axis=3)
+
+
+def _last_positions(cache, width, window):
+    """The rolling cache after a prompt of `width` tokens: slots for positions
+    `width - window + 1, ..., width` (the last one free; before 0, zeros)."""
+    cache = pad_to(cache, max(cache.shape[3], width + 1), 0, axis=3)
+    padded = pad_to(cache, cache.shape[3] + window, 0, axis=3, front=True)
+    return ops.slice(  # position p sits at p + window
+        padded, [0, 0, 0, width + 1, 0], (*ops.shape(cache)[:3], window, cache.shape[4])
+    )
+
+
+def pad_to(x, size, value, axis=1, front=False):
+    """`x` padded with `value` at the end (or the front) of `axis` to `size`
+    positions."""
+    widths = [[0, 0]] * len(x.shape)
+    pad = size - x.shape[axis]
+    widths[axis] = [pad, 0] if front else [0, pad]
+    return ops.pad(x, widths, constant_values=value)

@@ -1,0 +1,325 @@
+"""Reading a functional model's graph: where its token embedding, decoders,
+head and encoder are. Done once per model; `adapter.py` runs what it finds."""
+
+import warnings
+
+import keras
+
+from keras_attn.layers import SinusoidalEmbedding, TransformerDecoder
+
+# Layers that act on each position alone, so a head made of them can run on one
+# new token at a time.
+PER_TOKEN_LAYERS = tuple(
+    getattr(keras.layers, name)
+    for name in (
+        "Activation",
+        "Dense",
+        "Dropout",
+        "LayerNormalization",
+        "RMSNormalization",
+        "Softmax",
+    )
+    if hasattr(keras.layers, name)
+)
+EMBEDDINGS = (
+    "a token embedding read from the token-id input: SinusoidalEmbedding("
+    "vocabulary_size=...) (positions included), or keras.layers.Embedding or "
+    "ReversibleEmbedding (positions from the decoders' `rope_max_wavelength`)"
+)
+
+# Keras' tied embedding (`reverse=True` gives logits), where Keras has it.
+_REVERSIBLE_EMBEDDING = getattr(keras.layers, "ReversibleEmbedding", ())
+
+
+class GraphPlan:
+    """The decoding-relevant layers of a functional model, in order.
+
+    Attributes: `embedding` (the decoder-side token embedding), `body` (list
+    of `(layer, encoder output or None)` from the embedding to the last
+    decoder), `head` (list of `(layer, call kwargs)` after it),
+    `vocabulary_size`, `prompt_index` (the token-id input), and for
+    encoder-decoder models `encoder` (a `keras.Model` of the encoder inputs),
+    `encoder_indices` and `source_embedding` (whose mask pads the source).
+    """
+
+    def __init__(self, model):
+        _check_model(model)
+        self.model = model
+        self._producers = _producers(model)
+        self.head, self.body, self.embedding, prompt = self._trace(model.outputs[0])
+        self.prompt_index = _input_index(model, prompt)
+        self.decoders = [layer for layer, _ in self.body if is_decoder(layer)]
+        # Per decoder: whether it cross-attends to the encoder output.
+        self.cross_attends = [
+            memory is not None for layer, memory in self.body if is_decoder(layer)
+        ]
+        encoder_outputs = {id(t): t for _, t in self.body if t is not None}
+        if len(encoder_outputs) > 1:
+            raise ValueError(
+                "`generate` needs every TransformerDecoder to attend to the same "
+                "encoder output."
+            )
+        self.encoder, self.encoder_indices, self.source_embedding = None, [], None
+        if encoder_outputs:
+            self._plan_encoder(next(iter(encoder_outputs.values())))
+        self.outputs_probabilities = _ends_in_softmax(self.head)
+        self._warned = False
+
+    @property
+    def layers(self):
+        """Every layer decoding runs, once each."""
+        layers = [self.embedding] + [layer for layer, _ in self.body]
+        layers += [layer for layer, _ in self.head if layer is not self.embedding]
+        return layers + ([self.encoder] if self.encoder else [])
+
+    def warn_if_probabilities(self, method):
+        """Warn once per model when a sampling or beam method meets a softmax
+        head: it reads the head's output as logits."""
+        if method != "greedy" and self.outputs_probabilities and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"`generate(method={method!r})` reads the model's output as "
+                "logits, but its head ends in a softmax (probabilities), so the "
+                "distribution it samples or ranks is flattened. Remove the "
+                "softmax from the model passed to `generate`.",
+                stacklevel=3,
+            )
+
+    def _trace(self, logits):
+        """Walk back from the logits: head layers, decoder blocks, embedding."""
+        head, (layer, inputs, kwargs) = [], self._producer(logits)
+        while not is_decoder(layer):
+            if not _is_tied_head(layer, kwargs):
+                _check_per_token(layer, inputs, "after the last TransformerDecoder")
+            head.insert(0, (layer, kwargs))
+            layer, inputs, kwargs = self._producer(inputs[0])
+        body = []
+        while not _is_token_embedding(layer, kwargs):
+            if is_decoder(layer):
+                _check_causal(layer, kwargs)
+                # The node's tensors: the decoder sequence, then the encoder
+                # sequence if any (float, rank 3), then masks (bool).
+                sequences = [t for t in inputs[1:] if _is_sequence(t)]
+                body.insert(0, (layer, sequences[0] if sequences else None))
+            else:
+                _check_before_decoders(layer, inputs)
+                body.insert(0, (layer, None))
+            layer, inputs, kwargs = self._producer(inputs[0], before_decoders=True)
+        self.vocabulary_size = _vocabulary_size(layer)
+        return head, body, layer, inputs[0]
+
+    def _producer(self, tensor, before_decoders=False):
+        found = self._producers.get(id(tensor))
+        if found is None:
+            where = "before the TransformerDecoders" if before_decoders else ""
+            raise ValueError(
+                f"`generate` found no token embedding {where}. It needs "
+                f"{EMBEDDINGS}, then TransformerDecoders, then per-position "
+                "layers up to the logits."
+            )
+        return found
+
+    def _plan_encoder(self, encoder_output):
+        sources = _ancestors(encoder_output, self._producers, self.model.inputs)
+        if self.prompt_index in sources:
+            raise ValueError(
+                "`generate` needs the encoder output to depend only on the "
+                "encoder inputs, not on the decoder's token ids."
+            )
+        self.encoder_indices = sorted(sources)
+        self.encoder = keras.Model(
+            [self.model.inputs[i] for i in self.encoder_indices], encoder_output
+        )
+        self.source_embedding = self._masking_embedding(encoder_output)
+
+    def _masking_embedding(self, tensor):
+        """`(encoder input position, embedding)` of the first layer on the
+        way back from `tensor` whose mask pads the source, if any."""
+        while id(tensor) in self._producers:
+            layer, inputs, _ = self._producers[id(tensor)]
+            if getattr(layer, "mask_zero", False):
+                index = _input_index(self.model, inputs[0])
+                return self.encoder_indices.index(index), layer
+            tensor = inputs[0]
+        return None
+
+    def split_inputs(self, inputs):
+        """`(prompt, [encoder inputs])` from what the user passed: one array
+        (nested lists too) for a one-input model, else a list in
+        `model.inputs` order or a dict by input name."""
+        names = [t.name for t in self.model.inputs]
+        if isinstance(inputs, dict):
+            unknown = sorted(set(inputs) - set(names))
+            if unknown or len(inputs) != len(names):
+                raise ValueError(
+                    f"`inputs` must have the model's input names {names}. "
+                    f"Received: {sorted(inputs)}."
+                )
+            inputs = [inputs[name] for name in names]
+        elif len(names) == 1:
+            inputs = [_one_input(inputs)]
+        elif not isinstance(inputs, list | tuple) or len(inputs) != len(names):
+            count = len(inputs) if isinstance(inputs, list | tuple) else 1
+            raise ValueError(
+                f"`inputs` must be a list or dict of the model's {len(names)} "
+                f"inputs ({names}). Received {count}."
+            )
+        encoder_inputs = [inputs[i] for i in self.encoder_indices]
+        return inputs[self.prompt_index], encoder_inputs
+
+
+def _one_input(inputs):
+    """A one-input model's ids: `[array]` (Keras' list form) is unwrapped;
+    nested Python lists are the ids themselves."""
+    if isinstance(inputs, list | tuple) and len(inputs) == 1:
+        if not isinstance(inputs[0], list | tuple | int):
+            return inputs[0]
+    return inputs
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model) or not hasattr(model, "inputs"):
+        raise ValueError(
+            "`generate` needs a functional keras.Model built from keras_attn "
+            f"layers, or a `(prefill, step)` pair. Received: {type(model).__name__}."
+        )
+    if len(model.outputs) != 1:
+        raise ValueError(
+            "`generate` needs a model with one output, the token logits. "
+            f"Received a model with {len(model.outputs)} outputs."
+        )
+    if not any(is_decoder(layer) for layer in model.layers):
+        raise ValueError(
+            "`generate` found no TransformerDecoder in the model: it decodes "
+            "models whose logits come from keras_attn decoder blocks. Pass a "
+            "`(prefill, step)` pair for other models."
+        )
+
+
+def _check_causal(layer, kwargs):
+    if kwargs.get("use_causal_mask", True) is not True:
+        raise ValueError(
+            f"`generate` decodes one token at a time with a cache, which needs "
+            f"causal self-attention, but {layer.name} is called with "
+            "use_causal_mask=False: its outputs depend on later tokens. "
+            "Decode it by re-running the model, or build it causal."
+        )
+
+
+def _check_per_token(layer, inputs, where):
+    tensors = [t for t in inputs if _is_sequence(t)]
+    if not isinstance(layer, PER_TOKEN_LAYERS) or len(tensors) != 1:
+        raise ValueError(
+            f"`generate` runs the layers {where} one token at a time, so they "
+            "must act on each position alone: one of "
+            f"{[c.__name__ for c in PER_TOKEN_LAYERS]}. "
+            f"Received: {layer.name} ({type(layer).__name__})."
+        )
+
+
+def _check_before_decoders(layer, inputs):
+    tensors = [t for t in inputs if _is_sequence(t)]
+    if not isinstance(layer, PER_TOKEN_LAYERS) or len(tensors) != 1:
+        raise ValueError(
+            f"`generate` found {layer.name} ({type(layer).__name__}) between "
+            "the token ids and the first TransformerDecoder. It supports there "
+            f"{EMBEDDINGS}, then per-position layers "
+            f"({[c.__name__ for c in PER_TOKEN_LAYERS]}). For other models, "
+            "pass a `(prefill, step)` pair."
+        )
+
+
+def _vocabulary_size(embedding):
+    if isinstance(embedding, SinusoidalEmbedding):
+        if embedding.vocabulary_size is None:
+            raise ValueError(
+                f"`generate` needs the decoder's SinusoidalEmbedding "
+                f"({embedding.name}) to embed token ids (`vocabulary_size` set)."
+            )
+        return embedding.vocabulary_size
+    return embedding.input_dim
+
+
+def _ends_in_softmax(head):
+    if not head:
+        return False
+    layer = head[-1][0]
+    activation = getattr(layer, "activation", None)
+    return isinstance(layer, keras.layers.Softmax) or (
+        getattr(activation, "__name__", None) == "softmax"
+    )
+
+
+def is_decoder(layer):
+    return isinstance(layer, TransformerDecoder)
+
+
+def _is_token_embedding(layer, kwargs):
+    """A `SinusoidalEmbedding`, or a Keras `Embedding` called forward."""
+    if isinstance(layer, SinusoidalEmbedding):
+        return True
+    return isinstance(layer, keras.layers.Embedding) and not kwargs.get("reverse")
+
+
+def _is_tied_head(layer, kwargs):
+    return isinstance(layer, _REVERSIBLE_EMBEDDING) and bool(kwargs.get("reverse"))
+
+
+def _is_sequence(tensor):
+    return len(tensor.shape) == 3 and "float" in str(tensor.dtype)
+
+
+def _producers(model):
+    """`id(output tensor) -> (layer, flat input tensors, call kwargs)` over the
+    model's layers. Each layer is called once, but for a tied
+    `ReversibleEmbedding`: once forward and once `reverse=True`."""
+    producers = {}
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        nodes = getattr(layer, "_inbound_nodes", ())
+        if len(nodes) > 1 and not _tied_embedding(layer, nodes):
+            raise ValueError(
+                f"`generate` needs each layer used once; {layer.name} is shared."
+            )
+        for node in nodes:
+            kwargs = {  # the settings, such as `reverse=True`; not the tensors
+                k: v
+                for k, v in node.arguments.kwargs.items()
+                if not isinstance(v, keras.KerasTensor)
+            }
+            for output in node.output_tensors:
+                producers[id(output)] = (layer, list(node.input_tensors), kwargs)
+    return producers
+
+
+def _tied_embedding(layer, nodes):
+    """Whether `layer` is a `ReversibleEmbedding` called forward, then reversed."""
+    reverse = sorted(bool(node.arguments.kwargs.get("reverse")) for node in nodes)
+    return isinstance(layer, _REVERSIBLE_EMBEDDING) and reverse == [False, True]
+
+
+def _ancestors(tensor, producers, model_inputs):
+    """Indices of the model inputs `tensor` depends on."""
+    indices, stack, seen = set(), [tensor], set()
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        for i, model_input in enumerate(model_inputs):
+            if tensor is model_input:
+                indices.add(i)
+        if id(tensor) in producers:
+            stack.extend(producers[id(tensor)][1])
+    return indices
+
+
+def _input_index(model, tensor):
+    for i, model_input in enumerate(model.inputs):
+        if tensor is model_input:
+            return i
+    raise ValueError(
+        f"`generate` needs {EMBEDDINGS}: the token embedding must read a model "
+        "input directly."
+    )

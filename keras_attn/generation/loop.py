@@ -1,0 +1,173 @@
+"""The decoding loop: the adapter's model state, the logits processors and a
+strategy, wired into compiled `ops.while_loop`s, one per cache segment."""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_attn.generation import processors, strategies
+from keras_attn.generation.adapter import FunctionAdapter, pad_to
+
+
+class Generator(keras.Model):
+    """Decodes one prompt width to one length with one `Settings`; a model,
+    so `predict_on_batch` compiles it (JAX, TensorFlow).
+
+    `traces` counts how often the loop body was traced (or, where nothing
+    compiles it, run).
+    """
+
+    def __init__(self, adapter, settings, width, length):
+        super().__init__(name="keras_attn_generator")
+        self.adapter, self.settings = adapter, settings
+        self.strategy = strategies.strategy(settings)
+        self.width, self.length = width, length
+        # Tracked, so their variables are the compiled function's state.
+        self.decoding_layers = adapter.layers
+        self.traces = 0
+        self.compile(jit_compile=keras.config.backend() != "torch")
+        self.built = True
+
+    def call(self, inputs):
+        return self.decode(inputs)
+
+    def decode(self, inputs, on_token=None):
+        """`{"tokens", "scores"}`, each `(batch, length)`, left-padded rows.
+
+        `on_token(step, tokens)` is called after each step with the new
+        tokens `(batch,)`, from a Python loop (so not inside `predict`).
+        """
+        segments = _segments(self.width + 1, self.length)
+        if isinstance(self.adapter, FunctionAdapter):
+            segments = [self.length]
+        sources = [inputs[f"encoder_{i}"] for i in range(_count(inputs, "encoder_"))]
+        pads = ops.cast(inputs["pads"], "int32")
+        logits, model = self.adapter.prefill(
+            inputs["prompt"], pads, sources, segments[0]
+        )
+        state = self.strategy.start(
+            self._initial_state(inputs["prompt"], pads, logits, model)
+        )
+        for i, size in enumerate(segments):
+            if i > 0:
+                state["model"] = self.adapter.grow(state["model"], size)
+            state = self._segment(state, size, inputs, on_token)
+        tokens, scores = self.strategy.finish(state, inputs)
+        return {"tokens": tokens, "scores": scores}
+
+    def _initial_state(self, prompt, pads, logits, model):
+        batch, vocabulary = ops.shape(prompt)[0], logits.shape[-1]
+        return {
+            "index": ops.convert_to_tensor(self.width, "int32"),
+            "tokens": pad_to(
+                ops.cast(prompt, "int32"), self.length, self.settings.pad_token_id
+            ),
+            "scores": ops.zeros((batch, self.length), "float32"),
+            "logits": logits,
+            # False per row, computed from an input rather than a constant: XLA
+            # from TensorFlow 2.21 fails on three while loops that pass a
+            # constant through unchanged (tensorflow/tensorflow#122886).
+            "done": ops.less(pads, 0),
+            "seen": _seen(prompt, pads, vocabulary),
+            "model": model,
+        }
+
+    def _segment(self, state, size, numbers, on_token):
+        """Steps while the index is below `size` and some row is not done."""
+
+        def running(state):
+            return ops.logical_and(
+                state["index"] < size, ops.logical_not(ops.all(state["done"]))
+            )
+
+        def body(state):
+            return self._step(state, numbers)
+
+        if on_token is None and keras.config.backend() != "torch":
+            return ops.while_loop(running, body, state)
+        while bool(ops.convert_to_numpy(running(state))):
+            state = body(state)
+            if on_token is not None:
+                index = int(ops.convert_to_numpy(state["index"])) - 1
+                new = ops.convert_to_numpy(state["tokens"][:, index])
+                on_token(index - self.width, new)
+        return state
+
+    def _step(self, state, numbers):
+        """Choose and write one token per row, then run the model on it."""
+        self.traces += 1
+        logits = self._process(state, numbers)
+        token, log_prob, state = self.strategy.choose(logits, state, numbers)
+        token, state = self._write(token, log_prob, state)
+        logits, model = self.adapter.step(token, state["index"], state["model"])
+        return {**state, "index": state["index"] + 1, "logits": logits, "model": model}
+
+    def _process(self, state, numbers):
+        """The logits processors the settings ask for, in Hugging Face's order."""
+        logits = processors.repetition_penalty(
+            state["logits"], state["seen"], numbers["repetition_penalty"]
+        )
+        if self.settings.end_token_ids:
+            allowed = state["index"] - self.width >= numbers["min_new_tokens"]
+            logits = processors.suppress_end_tokens(
+                logits, self._end_tokens(logits), allowed
+            )
+        if self.settings.method == "sample":
+            logits = processors.temperature(logits, numbers["temperature"])
+            logits = processors.top_k(logits, numbers["top_k"])
+            logits = processors.top_p(logits, numbers["top_p"])
+        return logits
+
+    def _end_tokens(self, logits):
+        vocabulary = np.arange(logits.shape[-1])
+        return ops.convert_to_tensor(np.isin(vocabulary, self.settings.end_token_ids))
+
+    def _write(self, token, log_prob, state):
+        """Each row's token and its log-probability at `index` (padding once
+        the row is done)."""
+        done, index = state["done"], state["index"]
+        token = ops.where(done, self.settings.pad_token_id, ops.cast(token, "int32"))
+        log_prob = ops.where(done, 0.0, log_prob)
+        if self.settings.end_token_ids:
+            ends = ops.convert_to_tensor(self.settings.end_token_ids, "int32")
+            done = ops.logical_or(done, ops.any(token[:, None] == ends[None], -1))
+        vocabulary = state["seen"].shape[-1]
+        return token, {
+            **state,
+            "done": done,
+            "tokens": ops.slice_update(state["tokens"], [0, index], token[:, None]),
+            "scores": ops.slice_update(state["scores"], [0, index], log_prob[:, None]),
+            "seen": ops.logical_or(state["seen"], ops.one_hot(token, vocabulary) > 0),
+        }
+
+
+def _seen(prompt, pads, vocabulary):
+    """bool `(B, V)`: the tokens in each row's prompt (padding excluded)."""
+    batch, width = ops.shape(prompt)[0], prompt.shape[1]
+    real = ops.greater_equal(ops.arange(width)[None, :], pads[:, None])
+    rows = ops.repeat(ops.arange(batch, dtype="int32")[:, None], width, axis=1)
+    indices = ops.reshape(ops.stack([rows, ops.cast(prompt, "int32")], -1), (-1, 2))
+    counts = ops.scatter(
+        indices, ops.reshape(ops.cast(real, "float32"), (-1,)), (batch, vocabulary)
+    )
+    return counts > 0
+
+
+def _count(inputs, prefix):
+    return sum(1 for key in inputs if key.startswith(prefix))
+
+
+def _segments(first, length, smallest=64):
+    """Cache lengths of the decoding segments: powers of two, then `length`.
+
+    The first holds `first` positions (the prompt and the first new token);
+    each next one doubles, the last is `length`.
+    """
+    size = smallest
+    while size < first:
+        size *= 2
+    segments = []
+    while size < length:
+        segments.append(size)
+        size *= 2
+    return segments + [length]

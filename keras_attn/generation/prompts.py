@@ -1,0 +1,95 @@
+"""Prompt layout: every row left-padded for decoding, then back to the
+user's layout. Plain numpy, before and after the compiled loop."""
+
+import keras
+import numpy as np
+
+
+def left_pad(prompt, pad_token_id):
+    """Left-pad every row: `(prompt, pads per row, was right-padded)`.
+
+    Raises unless the prompt is int ids `(batch, length)`, each row with at
+    least one token, all rows padded on the same side with no gaps.
+    """
+    prompt = np.asarray(keras.ops.convert_to_numpy(prompt))
+    if prompt.ndim != 2 or prompt.dtype.kind not in "iu":
+        raise ValueError(
+            "The prompt must be int token ids `(batch, length)`. Received: "
+            f"shape={prompt.shape}, dtype={prompt.dtype}."
+        )
+    real = prompt != pad_token_id
+    lengths = real.sum(axis=1)
+    if np.any(lengths == 0):
+        raise ValueError(
+            f"Every prompt needs at least one token that is not pad_token_id="
+            f"{pad_token_id}. Received empty rows: {np.flatnonzero(lengths == 0)}."
+        )
+    run_starts = real & ~np.pad(real, [(0, 0), (1, 0)])[:, :-1]
+    left, right = real[:, -1], real[:, 0]  # rows ending / starting with tokens
+    if np.any(run_starts.sum(axis=1) != 1) or not np.all(left | right):
+        raise ValueError(
+            f"Prompts must be padded with pad_token_id={pad_token_id} on one side "
+            "(left or right), with no padding between tokens."
+        )
+    if np.any(~left) and np.any(~right):
+        raise ValueError(
+            "Prompts must be all left-padded or all right-padded, not a mix."
+        )
+    pads = (real.shape[1] - lengths).astype("int32")
+    right_padded = bool(np.any(~left))
+    if right_padded:
+        prompt = np.stack(
+            [np.roll(row, p) for row, p in zip(prompt, pads, strict=True)]
+        )
+    return prompt.astype("int32"), pads, right_padded
+
+
+def decoding_length(settings, width, pads, right_padded):
+    """Positions the decoder runs to (prompt width included), and the length
+    returned to the user; raises if `max_length` is shorter than the prompt.
+
+    With `max_length`, left-padded rows get `max_length - width` new tokens
+    and right-padded rows are filled up to `max_length`, so the decoding runs
+    `max(pads)` positions further. With `max_new_tokens`, every row gets that
+    many.
+    """
+    if settings.max_new_tokens is not None:
+        return width + settings.max_new_tokens, width + settings.max_new_tokens
+    if width > settings.max_length:
+        raise ValueError(
+            "`max_length` must be at least the prompt length. Received: "
+            f"max_length={settings.max_length}, prompt length={width}."
+        )
+    extra = int(pads.max()) if right_padded else 0
+    return settings.max_length + extra, settings.max_length
+
+
+def to_user_layout(rows, pads, right_padded, length, fill):
+    """Right-padded rows back to the user's side: tokens first, `fill` after."""
+    if not right_padded:
+        return rows[:, :length]
+    return np.stack(
+        [
+            np.concatenate([row[p:], np.full(p, fill, row.dtype)])[:length]
+            for row, p in zip(rows, pads, strict=True)
+        ]
+    )
+
+
+def check_token_ids(prompt, vocabulary_size, **ids):
+    """Raise unless the ids are in `[0, vocabulary_size)` of the token
+    embedding; `ids` are ints or tuples of ints by argument name."""
+    for name, values in ids.items():
+        for value in values if isinstance(values, tuple) else (values,):
+            if value >= vocabulary_size:
+                raise ValueError(
+                    f"`{name}` must be a token id < vocabulary_size="
+                    f"{vocabulary_size} of the model's embedding. "
+                    f"Received: {name}={value}."
+                )
+    if prompt.size and (prompt.min() < 0 or prompt.max() >= vocabulary_size):
+        raise ValueError(
+            "The prompt's token ids must be in [0, vocabulary_size="
+            f"{vocabulary_size}) of the model's embedding. Received: ids from "
+            f"{prompt.min()} to {prompt.max()}."
+        )

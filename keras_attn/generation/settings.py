@@ -1,0 +1,161 @@
+"""The settings of one `generate` call: validated once, frozen, and the cache
+key of compiled decoding loops."""
+
+import dataclasses
+import math
+
+import numpy as np
+
+METHODS = ("greedy", "sample", "beam")
+SAMPLING_ONLY = ("temperature", "top_k", "top_p")
+
+
+def _number():
+    """A setting that only changes numbers: an input of the compiled loop,
+    left out of the cache key, so changing it compiles nothing."""
+    return dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What `generate` was asked for, checked.
+
+    Equality and hash cover only the fields that shape the compiled loop
+    (`method`, `num_beams`, `end_token_ids`, `pad_token_id`), so a `Settings`
+    is the cache key of compiled generators; the others are fed to the loop
+    as numbers (`numbers()`).
+    """
+
+    method: str
+    num_beams: int
+    end_token_ids: tuple
+    pad_token_id: int
+    max_length: int | None = _number()
+    max_new_tokens: int | None = _number()
+    min_new_tokens: int = _number()
+    temperature: float = _number()
+    top_k: int | None = _number()
+    top_p: float | None = _number()
+    repetition_penalty: float = _number()
+    length_penalty: float = _number()
+    seed: int | None = _number()
+
+    @classmethod
+    def from_arguments(cls, method, end_token_id, pad_token_id, **arguments):
+        """Validate `generate`'s arguments, each once; raise naming the first
+        bad one."""
+        if method not in METHODS:
+            raise ValueError(
+                f"`method` must be one of {METHODS}. Received: method={method!r}."
+            )
+        _check_lengths(arguments["max_length"], arguments["max_new_tokens"])
+        _check_int("min_new_tokens", arguments["min_new_tokens"], minimum=0)
+        _check_int("num_beams", arguments["num_beams"], minimum=1)
+        _check_int("pad_token_id", pad_token_id, minimum=0)
+        _check_optional_int("seed", arguments["seed"], 0, 2**31 - 1)
+        _check_optional_int("top_k", arguments["top_k"], 1)
+        _check_float(
+            "temperature", arguments["temperature"], "> 0", lambda t: 0 < t < math.inf
+        )
+        if arguments["top_p"] is not None:
+            _check_float("top_p", arguments["top_p"], "in (0, 1]", lambda p: 0 < p <= 1)
+        _check_float(
+            "repetition_penalty",
+            arguments["repetition_penalty"],
+            "> 0 (1.0: none; inf: no repeats)",
+            lambda r: r > 0,
+        )
+        _check_float(
+            "length_penalty", arguments["length_penalty"], "finite", math.isfinite
+        )
+        _check_method_options(method, arguments)
+        return cls(
+            method=method,
+            num_beams=arguments["num_beams"] if method == "beam" else 1,
+            end_token_ids=_end_token_ids(end_token_id),
+            pad_token_id=int(pad_token_id),
+            **{k: v for k, v in arguments.items() if k != "num_beams"},
+        )
+
+    def numbers(self):
+        """The loop's numeric inputs, as arrays: changing them recompiles
+        nothing. `top_k=0` and `top_p=1` keep every token."""
+        return {
+            "temperature": np.float32([self.temperature]),
+            "top_k": np.int32([self.top_k or 0]),
+            "top_p": np.float32([self.top_p or 1.0]),
+            "repetition_penalty": np.float32([self.repetition_penalty]),
+            "length_penalty": np.float32([self.length_penalty]),
+            "min_new_tokens": np.int32([self.min_new_tokens]),
+        }
+
+
+def _check_method_options(method, arguments):
+    """Refuse the sampling options with another method: they would be ignored."""
+    if method == "sample":
+        return
+    given = [
+        f"{name}={arguments[name]!r}"
+        for name in SAMPLING_ONLY
+        if arguments[name] is not None
+        and not (name == "temperature" and arguments[name] == 1)
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} only apply to method='sample'. Received "
+            f"method={method!r}. Pass method='sample', or leave them out."
+        )
+
+
+def _check_lengths(max_length, max_new_tokens):
+    if (max_length is None) == (max_new_tokens is None):
+        raise ValueError(
+            "Pass exactly one of `max_length` (the returned length, prompt "
+            "included) and `max_new_tokens`. Received: "
+            f"max_length={max_length!r}, max_new_tokens={max_new_tokens!r}."
+        )
+    _check_optional_int("max_length", max_length, 1)
+    _check_optional_int("max_new_tokens", max_new_tokens, 1)
+
+
+def _end_token_ids(end_token_id):
+    """`None`, an int or a list of ints -> a tuple of ints."""
+    ids = end_token_id
+    if ids is None:
+        return ()
+    if not isinstance(ids, list | tuple):
+        ids = [ids]
+    if not ids:
+        raise ValueError("`end_token_id` must not be an empty list. Received: [].")
+    for value in ids:
+        _check_int("end_token_id", value, minimum=0)
+    return tuple(int(value) for value in ids)
+
+
+def _check_int(name, value, minimum, maximum=None):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(
+            f"`{name}` must be an int. Received: {name}={value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"`{name}` must be <= {maximum}. Received: {name}={value}.")
+
+
+def _check_optional_int(name, value, minimum, maximum=None):
+    if value is not None:
+        _check_int(name, value, minimum, maximum)
+
+
+def _check_float(name, value, expected, valid):
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+        raise TypeError(
+            f"`{name}` must be a number {expected}. Received: {name}={value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if math.isnan(value) or not valid(value):
+        raise ValueError(
+            f"`{name}` must be a number {expected}. Received: {name}={value!r}."
+        )
