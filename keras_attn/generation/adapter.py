@@ -191,7 +191,7 @@ def _rolling_call(layer, x, state, decoder, index, kwargs):
     cache, keys = state["caches"][decoder], state["keys"]
     window = cache.shape[3]
     padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
-    slots = ops.slice(padded, [0, index + 1], [ops.shape(keys)[0], window])
+    slots = ops.take(padded, index + 1 + ops.arange(window), axis=1)  # (B, w)
     x, cache, *_ = layer(
         x,
         decoder_padding_mask=slots,

@@ -8,6 +8,17 @@ from keras import ops
 from keras_attn.generation import processors, strategies
 from keras_attn.generation.adapter import FunctionAdapter, pad_to
 
+# The loop's numeric inputs (`Settings.numbers()` and the seed).
+NUMBERS = (
+    "seed",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "length_penalty",
+    "min_new_tokens",
+)
+
 
 class Generator(keras.Model):
     """Decodes one prompt width to one length with one `Settings`; a model,
@@ -17,7 +28,7 @@ class Generator(keras.Model):
     compiles it, run).
     """
 
-    def __init__(self, adapter, settings, width, length):
+    def __init__(self, adapter, settings, width, length, jit_compile):
         super().__init__(name="keras_attn_generator")
         self.adapter, self.settings = adapter, settings
         self.strategy = strategies.strategy(settings)
@@ -25,7 +36,9 @@ class Generator(keras.Model):
         # Tracked, so their variables are the compiled function's state.
         self.decoding_layers = adapter.layers
         self.traces = 0
-        self.compile(jit_compile=keras.config.backend() != "torch")
+        torch = keras.config.backend() == "torch"
+        self.compiled_steps = {} if jit_compile and torch else None  # by segment
+        self.compile(jit_compile=jit_compile and not torch)
         self.built = True
 
     def call(self, inputs):
@@ -48,10 +61,11 @@ class Generator(keras.Model):
         state = self.strategy.start(
             self._initial_state(inputs["prompt"], pads, logits, model)
         )
+        numbers = {key: inputs[key] for key in NUMBERS}
         for i, size in enumerate(segments):
             if i > 0:
                 state["model"] = self.adapter.grow(state["model"], size)
-            state = self._segment(state, size, inputs, on_token)
+            state = self._segment(state, size, numbers, on_token)
         tokens, scores = self.strategy.finish(state, inputs)
         return {"tokens": tokens, "scores": scores}
 
@@ -85,13 +99,36 @@ class Generator(keras.Model):
 
         if on_token is None and keras.config.backend() != "torch":
             return ops.while_loop(running, body, state)
-        while bool(ops.convert_to_numpy(running(state))):
-            state = body(state)
+        return self._python_loop(state, size, numbers, on_token)
+
+    def _python_loop(self, state, size, numbers, on_token):
+        """The segment's steps from Python (PyTorch, or to call `on_token`):
+        the index is a Python int, and `done` is read once per step."""
+        step = (
+            (lambda state: self._step(state, numbers))
+            if self.compiled_steps is None
+            else self._compiled(size, state, numbers)
+        )
+        index = int(ops.convert_to_numpy(state["index"]))
+        while index < size and not ops.convert_to_numpy(ops.all(state["done"])):
+            state = step(state)
             if on_token is not None:
-                index = int(ops.convert_to_numpy(state["index"])) - 1
-                new = ops.convert_to_numpy(state["tokens"][:, index])
-                on_token(index - self.width, new)
+                on_token(
+                    index - self.width, ops.convert_to_numpy(state["tokens"])[:, index]
+                )
+            index += 1
         return state
+
+    def _compiled(self, size, state, numbers):
+        """PyTorch: the step exported and compiled for this segment's shapes."""
+        if size not in self.compiled_steps:
+            from keras_attn.generation import _torch
+
+            self.compiled_steps[size] = _torch.compile_step(
+                self._step, self.decoding_layers, state, numbers
+            )
+        compiled = self.compiled_steps[size]
+        return lambda state: compiled(state, numbers)
 
     def _step(self, state, numbers):
         """Choose and write one token per row, then run the model on it."""
