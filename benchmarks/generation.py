@@ -1,16 +1,19 @@
 """Tokens per second of cached `generate` against a naive loop and keras-hub.
 
-Run once per backend (each in its own process):
+Run once per backend (each in its own process; on PyTorch pin the threads,
+`OMP_NUM_THREADS=1`, on a quiet machine):
 
     KERAS_BACKEND=jax python benchmarks/generation.py
     KERAS_BACKEND=tensorflow python benchmarks/generation.py
-    KERAS_BACKEND=torch python benchmarks/generation.py
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/generation.py
 
-Three decoders of the same GPT-style model (2 blocks, width 128, 4 heads,
-feed-forward 512, vocabulary 1000, batch 4, an 8-token prompt), greedy:
+Decoders of the same GPT-style model (2 blocks, width 64, 4 heads,
+feed-forward 128, vocabulary 1000, batch 2, an 8-token prompt), greedy:
 
-- `keras_attn cached`: `keras_attn.generation.generate`, one compiled
-  while-loop with key/value caches.
+- `keras_attn cached`: `keras_attn.generation.generate` as a user calls it
+  (`jit_compile="auto"`: a compiled while-loop on JAX and TensorFlow, the
+  eager step on PyTorch); on PyTorch also `jit_compile=True` (the step
+  exported and compiled by Inductor).
 - `naive`: the model called on the whole sequence for every new token (a
   fixed-width buffer of `max_length`, so it compiles once; the causal mask
   hides the unwritten tail). Its cost per token is constant in the step, so it
@@ -18,10 +21,12 @@ feed-forward 512, vocabulary 1000, batch 4, an 8-token prompt), greedy:
 - `keras-hub cached`: the same loop built from `keras_hub.layers` decoders
   with their `self_attention_cache`, compiled the same way as ours.
 
-Every row is a median over `--repeats` interleaved rounds; the table is
-markdown, written to `benchmarks/results/generation_<backend>.md` (or
-`--results DIR`). `python benchmarks/run.py` runs this with the other
-benchmarks.
+Tokens/s are per batch: new positions per second, each filled for every row.
+Every row is a median over `--repeats` interleaved rounds after a warm-up
+call, whose time (compiling) is reported apart, with the time and the traces
+of a call that only changes the sampling numbers. The tables are markdown,
+written to `benchmarks/results/generation_<backend>.md` (or `--results DIR`).
+`python benchmarks/run.py` runs this with the other benchmarks.
 """
 
 import argparse
@@ -36,7 +41,7 @@ from keras import ops
 import keras_attn
 from keras_attn.generation import generate
 
-VOCAB, WIDTH, HEADS, FFN, LAYERS, BATCH, PROMPT = 1000, 128, 4, 512, 2, 4, 8
+VOCAB, WIDTH, HEADS, FFN, LAYERS, BATCH, PROMPT = 1000, 64, 4, 128, 2, 2, 8
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -117,6 +122,15 @@ def timed(fn):
     return time.perf_counter() - start
 
 
+def ours(backend):
+    """`generate` variants by row name: as a user calls it, and compiled on
+    PyTorch."""
+    variants = {"keras_attn cached": {}}
+    if backend == "torch":
+        variants["keras_attn cached, jit_compile=True"] = {"jit_compile": True}
+    return variants
+
+
 def main(argv=None):
     """Run the benchmark (`argv`: command-line flags); returns the markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -133,59 +147,97 @@ def main(argv=None):
     prompt = (
         np.random.default_rng(0).integers(1, VOCAB, (BATCH, PROMPT)).astype("int32")
     )
-    rows = []
+    rows, first_calls = [], []
     for length in args.lengths:
-        new_tokens = BATCH * (length - PROMPT)
-        hub = None if args.no_keras_hub else KerasHubGreedy(length)
-        buffer = np.zeros((BATCH, length), "int32")
-        buffer[:, :PROMPT] = prompt
-        naive = naive_step_function(model, length)
-        # Warm up: compile every path once.
-        generate(model, prompt, length)
-        naive(buffer.copy(), PROMPT)
-        if hub is not None:
-            hub(prompt)  # builds the layers eagerly
-            hub.predict_on_batch(prompt)
-        times = {"keras_attn cached": [], "naive": [], "keras-hub cached": []}
-        for _ in range(args.repeats):
-            times["keras_attn cached"].append(
-                timed(lambda: generate(model, prompt, length)) / new_tokens  # noqa: B023
-            )
-            work = buffer.copy()
-            steps = range(PROMPT, min(length, PROMPT + args.naive_steps))
-            times["naive"].append(
-                timed(lambda: [naive(work, p) for p in steps]) / (len(steps) * BATCH)  # noqa: B023
-            )
-            if hub is not None:
-                times["keras-hub cached"].append(
-                    timed(lambda: hub.predict_on_batch(prompt)) / new_tokens  # noqa: B023
-                )
-        medians = {k: statistics.median(v) for k, v in times.items() if v}
-        ours = medians["keras_attn cached"]
-        for name, per_token in medians.items():
-            rows.append((length, name, per_token, ours / per_token))
+        medians, first = time_length(model, prompt, length, args)
+        rows += [
+            (length, name, t, t / medians["keras_attn cached"])
+            for name, t in medians.items()
+        ]
+        first_calls += [(length, name, t) for name, t in first.items()]
         print(
             f"length {length}: "
             + ", ".join(f"{k} {1 / v:,.0f} tok/s" for k, v in medians.items()),
             flush=True,
         )
-    return write_table(backend, rows, args.results)
+    return write_tables(
+        backend, rows, first_calls, new_numbers(model, prompt), args.results
+    )
 
 
-def write_table(backend, rows, results=RESULTS):
+def time_length(model, prompt, length, args):
+    """Median seconds per new position of each decoder, and the first call's
+    seconds of ours."""
+    new_positions = length - PROMPT
+    calls = {
+        name: (lambda kw=kw: generate(model, prompt, length, **kw))
+        for name, kw in ours(keras.config.backend()).items()
+    }
+    first = {name: timed(call) for name, call in calls.items()}  # warm-up
+    buffer = np.zeros((BATCH, length), "int32")
+    buffer[:, :PROMPT] = prompt
+    naive = naive_step_function(model, length)
+    naive(buffer.copy(), PROMPT)
+    steps = range(PROMPT, min(length, PROMPT + args.naive_steps))
+    calls["naive"] = lambda: [naive(buffer.copy(), p) for p in steps]
+    per_call = {name: new_positions for name in calls} | {"naive": len(steps)}
+    if not args.no_keras_hub:
+        hub = KerasHubGreedy(length)
+        hub(prompt)  # builds the layers eagerly
+        hub.predict_on_batch(prompt)
+        calls["keras-hub cached"] = lambda: hub.predict_on_batch(prompt)
+        per_call["keras-hub cached"] = new_positions
+    times = {name: [] for name in calls}
+    for _ in range(args.repeats):
+        for name, call in calls.items():
+            times[name].append(timed(call) / per_call[name])
+    return {k: statistics.median(v) for k, v in times.items()}, first
+
+
+def new_numbers(model, prompt, length=64):
+    """Seconds and traces of a sampling call that only changes the numbers
+    (temperature, top_k, top_p, seed, repetition penalty), after a first one."""
+    from keras_attn import generation
+
+    results = []
+    for name, kw in ours(keras.config.backend()).items():
+        call = dict(method="sample", max_new_tokens=length - PROMPT, **kw)
+        first = timed(lambda: generate(model, prompt, seed=1, top_k=5, **call))  # noqa: B023
+        generator = list(generation._GENERATORS[model].values())[-1]
+        traces = generator.traces
+        again = timed(
+            lambda: generate(  # noqa: B023
+                model, prompt, seed=2, top_k=9, top_p=0.8, temperature=0.7,
+                repetition_penalty=1.3, **call,  # noqa: B023
+            )
+        )  # fmt: skip
+        results.append((name, first, again, generator.traces - traces))
+    return results
+
+
+def write_tables(backend, rows, first_calls, numbers, results=RESULTS):
     lines = [
         f"### Generation, `KERAS_BACKEND={backend}` "
         f"(batch {BATCH}, prompt {PROMPT}, {LAYERS} blocks, width {WIDTH}, "
         f"vocabulary {VOCAB}, greedy)",
         "",
-        "| max_length | decoder | tokens/s | ms/token | time vs keras_attn cached |",
+        "| max_length | decoder | tokens/s per batch | ms/token "
+        "| time vs keras_attn cached |",
         "|---:|---|---:|---:|---:|",
     ]
     for length, name, per_token, ratio in rows:
         lines.append(
             f"| {length} | {name} | {1 / per_token:,.0f} | {per_token * 1e3:.3f} "
-            f"| {1 / ratio:.2f}x |"
+            f"| {ratio:.2f}x |"
         )
+    lines += ["", "First call (compiling included), seconds:", ""]
+    lines += ["| max_length | decoder | first call |", "|---:|---|---:|"]
+    lines += [f"| {n} | {name} | {t:.2f} |" for n, name, t in first_calls]
+    lines += ["", "Sampling, 56 new tokens: a first call, then one with new "]
+    lines[-1] += "temperature, top_k, top_p, seed and repetition penalty:"
+    lines += ["", "| decoder | first call, s | new numbers, s | new traces |"]
+    lines += ["|---|---:|---:|---:|"]
+    lines += [f"| {n} | {a:.2f} | {b:.3f} | {t} |" for n, a, b, t in numbers]
     text = "\n".join(lines) + "\n"
     os.makedirs(results, exist_ok=True)
     with open(os.path.join(results, f"generation_{backend}.md"), "w") as f:

@@ -160,7 +160,7 @@ def solve(model, pairs, reverse, digits, batch_size=250):
         tokens = generate(
             model,
             prompt,
-            max_length=prompt.shape[1] + new_tokens,
+            max_new_tokens=new_tokens,
             end_token_id=END,
             pad_token_id=PAD,
         )

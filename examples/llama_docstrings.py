@@ -367,7 +367,7 @@ def continue_docstrings(model, held_out, args):
     tokens = generate(
         model,
         prompt,
-        max_length=prompt.shape[1] + args.new_chars,
+        max_new_tokens=args.new_chars,
         method="sample",
         top_k=args.top_k,
         seed=args.seed,

@@ -406,3 +406,97 @@ def rotary_reference(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
 def masking_bias(mask):
     """An additive bias that does what the boolean `mask` does."""
     return np.where(mask, 0.0, -1e9).astype("float32")
+
+
+# --- Generation: a tiny model and the references of `generate` ----------------
+
+
+def decoder_only_model(vocabulary_size, width, num_key_value_heads=None, seed=0):
+    """Two causal decoders on a padding-aware sinusoidal embedding, with a
+    Dropout and a LayerNormalization on the way to a Dense head."""
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    x = SinusoidalEmbedding(
+        vocabulary_size=vocabulary_size, embedding_dim=width, mask_zero=True
+    )(ids)
+    x = TransformerDecoder(32, 4, num_key_value_heads=num_key_value_heads)(x)
+    x = keras.layers.Dropout(0.1)(x)
+    x = TransformerDecoder(32, 4, normalize_first=True)(x)
+    x = keras.layers.LayerNormalization()(x)
+    return keras.Model(ids, keras.layers.Dense(vocabulary_size)(x))
+
+
+def next_token_logits(model, prefix, source=None, width=16):
+    """The model's logits after `prefix`, from a call on the whole prefix.
+
+    The prefix sits in a fixed-width buffer of trailing padding, which the causal
+    decoder cannot see, so every call has one shape (JAX compiles it once).
+    """
+    ids = np.zeros((1, width), "int32")
+    ids[0, : len(prefix)] = prefix
+    inputs = ids if source is None else [np.array([source], "int32"), ids]
+    return to_numpy(model(inputs))[0, len(prefix) - 1]
+
+
+def naive_greedy(model, prompt, max_length, source=None):
+    """Call the model on the whole prefix, take the argmax, repeat."""
+    sequence = list(prompt)
+    while len(sequence) < max_length:
+        sequence.append(int(next_token_logits(model, sequence, source).argmax()))
+    return sequence
+
+
+def reference_decode(
+    model,
+    prompt,
+    max_length,
+    repetition_penalty=1.0,
+    end_token_ids=(),
+    min_new_tokens=0,
+    pad_token_id=0,
+):
+    """Greedy decoding as Hugging Face's `generate` runs it, on the whole
+    prefix each step, in float64: the repetition penalty (finite; logits of
+    tokens seen so far divided if positive, multiplied if negative), end
+    tokens removed before `min_new_tokens` new ones, the argmax; after an end
+    token, `pad_token_id`. Returns `(tokens, scores)` as lists, scores the
+    log-softmax of the processed logits at each chosen token (0 in the prompt
+    and after the end)."""
+    tokens, scores = list(prompt), [0.0] * len(prompt)
+    while len(tokens) < max_length:
+        logits = next_token_logits(model, tokens).astype(np.float64)
+        seen = np.isin(np.arange(len(logits)), tokens)
+        penalized = np.where(
+            logits > 0, logits / repetition_penalty, logits * repetition_penalty
+        )
+        logits = np.where(seen, penalized, logits)
+        if len(tokens) - len(prompt) < min_new_tokens:
+            logits[list(end_token_ids)] = -np.inf
+        token = int(logits.argmax())
+        shifted = logits - logits.max()
+        log_probs = shifted - np.log(np.exp(shifted).sum())
+        tokens.append(token)
+        scores.append(float(log_probs[token]))
+        if token in end_token_ids:
+            break
+    padding = max_length - len(tokens)
+    return tokens + [pad_token_id] * padding, scores + [0.0] * padding
+
+
+def counter_uniform_reference(seed, rows, step):
+    """`keras_attn.generation.strategies.counter_uniform` in np.uint32, whose
+    arithmetic wraps: lowbias32 (C. Wellons, 2018) of `step ^ seed * golden`,
+    then of that `^ row`; the top 24 bits over 2**24. `rows` an int array."""
+
+    def lowbias32(x):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+    with np.errstate(over="ignore"):
+        golden = np.uint32(0x9E3779B9)
+        x = lowbias32(np.uint32(step) ^ (np.uint32(seed) * golden))
+        x = lowbias32(x ^ np.asarray(rows).astype(np.uint32))
+    return (x >> np.uint32(8)).astype(np.float64) / 2**24

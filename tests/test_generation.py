@@ -7,22 +7,15 @@ import pytest
 import keras_attn
 from keras_attn import generation
 from keras_attn.generation import generate
-from tests.helpers import random_floats, to_numpy
+from tests.helpers import (
+    decoder_only_model,
+    naive_greedy,
+    next_token_logits,
+    random_floats,
+    to_numpy,
+)
 
 VOCAB, WIDTH = 13, 16
-
-
-def decoder_only_model(num_key_value_heads=None, seed=0):
-    keras.utils.set_random_seed(seed)
-    ids = keras.Input((None,), dtype="int32", name="ids")
-    x = keras_attn.SinusoidalEmbedding(
-        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
-    )(ids)
-    x = keras_attn.TransformerDecoder(32, 4, num_key_value_heads=num_key_value_heads)(x)
-    x = keras.layers.Dropout(0.1)(x)
-    x = keras_attn.TransformerDecoder(32, 4, normalize_first=True)(x)
-    x = keras.layers.LayerNormalization()(x)
-    return keras.Model(ids, keras.layers.Dense(VOCAB)(x))
 
 
 def encoder_decoder_model(seed=0):
@@ -39,26 +32,6 @@ def encoder_decoder_model(seed=0):
     y = keras_attn.TransformerDecoder(32, 4, num_key_value_heads=2)(y, x)
     y = keras_attn.TransformerDecoder(32, 4)(y, x)
     return keras.Model([source, target], keras.layers.Dense(VOCAB)(y))
-
-
-def next_token_logits(model, prefix, source=None, width=16):
-    """The model's logits after `prefix`, from a call on the whole prefix.
-
-    The prefix sits in a fixed-width buffer of trailing padding, which the causal
-    decoder cannot see, so every call has one shape (JAX compiles it once).
-    """
-    ids = np.zeros((1, width), "int32")
-    ids[0, : len(prefix)] = prefix
-    inputs = ids if source is None else [np.array([source], "int32"), ids]
-    return to_numpy(model(inputs))[0, len(prefix) - 1]
-
-
-def naive_greedy(model, prompt, max_length, source=None):
-    """Call the model on the whole prefix, take the argmax, repeat."""
-    sequence = list(prompt)
-    while len(sequence) < max_length:
-        sequence.append(int(next_token_logits(model, sequence, source).argmax()))
-    return sequence
 
 
 # --- The caches in the layers -------------------------------------------------
@@ -162,7 +135,7 @@ def test_bad_caches():
 
 @pytest.fixture(scope="module")
 def gpt():
-    return decoder_only_model(num_key_value_heads=2)
+    return decoder_only_model(VOCAB, WIDTH, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -498,6 +471,40 @@ GENERATE_ROWS = [
     generate_row({"pad_token_id": -1}, ValueError, r"pad_token_id=-1"),
     generate_row({"pad_token_id": None}, TypeError, r"pad_token_id=None"),
     generate_row({"pad_token_id": VOCAB}, ValueError, rf"pad_token_id={VOCAB}\b"),
+    generate_row({"end_token_id": []}, ValueError, r"must not be an empty list"),
+    generate_row({"end_token_id": [1, VOCAB]}, ValueError, rf"end_token_id={VOCAB}\b"),
+    generate_row({"end_token_id": [1, "2"]}, TypeError, r"end_token_id='2'"),
+    generate_row(
+        {"max_new_tokens": 3}, ValueError, r"exactly one of.*max_length=6, max_new"
+    ),
+    generate_row({"max_length": None}, ValueError, r"exactly one of.*max_length=None"),
+    generate_row(
+        {"max_length": None, "max_new_tokens": 0}, ValueError, r"max_new_tokens=0"
+    ),
+    generate_row({"min_new_tokens": -1}, ValueError, r"min_new_tokens=-1"),
+    generate_row({"min_new_tokens": 1.0}, TypeError, r"min_new_tokens=1.0 of type"),
+    generate_row({"repetition_penalty": 0}, ValueError, r"repetition_penalty=0"),
+    generate_row(
+        {"repetition_penalty": float("nan")}, ValueError, r"repetition_penalty=nan"
+    ),
+    generate_row({"repetition_penalty": "x"}, TypeError, r"repetition_penalty='x'"),
+    generate_row({"return_scores": 1}, TypeError, r"return_scores=1"),
+    generate_row({"on_token": 3}, TypeError, r"on_token=3"),
+    generate_row(
+        {"method": "beam", "on_token": lambda gpt: print},
+        ValueError,
+        r"cannot stream beam search",
+        id="method=beam-on_token=print",
+    ),
+    generate_row({"top_k": 3}, ValueError, r"top_k=3 only apply to method='sample'"),
+    generate_row(
+        {"method": "beam", "top_p": 0.9},
+        ValueError,
+        r"top_p=0.9 only apply to method='sample'.*method='beam'",
+    ),
+    generate_row(
+        {"temperature": 0.5}, ValueError, r"temperature=0.5 only apply to method="
+    ),
 ]
 
 

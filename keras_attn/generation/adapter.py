@@ -117,6 +117,10 @@ class ModelAdapter:
                 )
             caches.append(cache)
             decoder += 1
+        # A new tensor, without the padding mask that rides on `x` (TensorFlow,
+        # PyTorch): the head acts on each position alone, and a Softmax would
+        # apply the `(B, T)` mask across the vocabulary.
+        x = ops.copy(x)
         for layer, kwargs in self.plan.head:
             x = layer(x, **kwargs)
         return ops.cast(x, "float32"), {**state, "caches": caches}
