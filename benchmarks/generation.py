@@ -202,7 +202,16 @@ def new_numbers(model, prompt, length=64):
     results = []
     for name, kw in ours(keras.config.backend()).items():
         call = dict(method="sample", max_new_tokens=length - PROMPT, **kw)
-        first = timed(lambda: generate(model, prompt, seed=1, top_k=5, **call))  # noqa: B023
+        first = timed(
+            lambda: generate(  # noqa: B023
+                model,
+                prompt,
+                seed=1,
+                top_k=5,
+                repetition_penalty=1.1,
+                **call,  # noqa: B023
+            )
+        )
         generator = list(generation._GENERATORS[model].values())[-1]
         traces = generator.traces
         again = timed(

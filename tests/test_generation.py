@@ -471,6 +471,15 @@ GENERATE_ROWS = [
     generate_row({"pad_token_id": -1}, ValueError, r"pad_token_id=-1"),
     generate_row({"pad_token_id": None}, TypeError, r"pad_token_id=None"),
     generate_row({"pad_token_id": VOCAB}, ValueError, rf"pad_token_id={VOCAB}\b"),
+    generate_row({"seed": 1}, ValueError, r"seed=1 only apply to method='sample'"),
+    generate_row({"length_penalty": 2.0}, ValueError, r"only applies to method='beam'"),
+    generate_row({"jit_compile": "yes"}, ValueError, r"jit_compile='yes'"),
+    generate_row(
+        {"model": lambda gpt: [gpt, gpt]},
+        TypeError,
+        r"pair of functions.*\['Functional', 'Functional'\]",
+        id="model=two-models",
+    ),
     generate_row({"end_token_id": []}, ValueError, r"must not be an empty list"),
     generate_row({"end_token_id": [1, VOCAB]}, ValueError, rf"end_token_id={VOCAB}\b"),
     generate_row({"end_token_id": [1, "2"]}, TypeError, r"end_token_id='2'"),
@@ -513,7 +522,9 @@ def test_bad_generate_argument_changes_nothing(gpt, kwargs, error, match):
     kwargs = {k: v(gpt) if callable(v) else v for k, v in kwargs.items()}
     call = {"model": gpt, "inputs": PROMPT, "max_length": 6, **kwargs}
     # The fixture's model, and any other model or layer the row passes.
-    subjects = [gpt] + [m for m in (call["model"],) if m not in (gpt, None)]
+    subjects = [gpt] + [
+        m for m in (call["model"],) if isinstance(m, keras.Model) and m is not gpt
+    ]
     weights = [[to_numpy(w).copy() for w in m.weights] for m in subjects]
     compiled = [dict(generation._GENERATORS.get(m, {})) for m in subjects]
     with pytest.raises(error, match=match):

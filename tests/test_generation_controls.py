@@ -292,9 +292,8 @@ def test_new_numbers_compile_nothing():
     numbers are inputs. It equals the eager loop, and sees new weights."""
     model, _, _ = tiny_model(seed=5)
     compiled = dict(method="sample", jit_compile=True)
-    first = generate(
-        model, PROMPTS, LENGTH, seed=1, temperature=0.7, top_k=3, **compiled
-    )
+    eager = dict(seed=1, temperature=0.7, top_k=3, repetition_penalty=1.1)
+    first = generate(model, PROMPTS, LENGTH, **eager, **compiled)
     (generator,) = generation._GENERATORS[model].values()
     traces = generator.traces
     second = generate(
@@ -310,7 +309,7 @@ def test_new_numbers_compile_nothing():
     assert not np.array_equal(first, second)  # the new numbers did arrive
     assert list(generation._GENERATORS[model].values()) == [generator]
     assert generator.traces == traces > 0
-    eager = dict(method="sample", seed=1, temperature=0.7, top_k=3, jit_compile=False)
+    eager.update(method="sample", jit_compile=False)
     np.testing.assert_array_equal(generate(model, PROMPTS, LENGTH, **eager), first)
     model.set_weights([w * 1.5 for w in model.get_weights()])
     np.testing.assert_array_equal(
@@ -318,6 +317,11 @@ def test_new_numbers_compile_nothing():
         generate(model, PROMPTS, LENGTH, **eager),
     )
     assert generator.traces == traces
+    one_row = {**eager, "jit_compile": True}  # another batch size: new shapes
+    np.testing.assert_array_equal(
+        generate(model, PROMPTS[1:], LENGTH, **one_row),
+        generate(model, PROMPTS[1:], LENGTH, **eager),
+    )
 
 
 # --- `(prefill, step)` functions -------------------------------------------------
@@ -360,6 +364,25 @@ def test_a_decoder_called_without_its_causal_mask_is_refused():
         generate(model, PROMPTS, 6)
 
 
+def test_decoder_calls_and_heads_a_step_cannot_reproduce_are_refused():
+    """A decoder given a bias or mask tensor (a step could not be given it),
+    and a head that normalizes across positions."""
+    ids = keras.Input((None,), dtype="int32")
+    bias = keras.Input((None, None), name="bias")
+    x = keras_attn.SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=WIDTH)(ids)
+    y = keras_attn.TransformerDecoder(32, 4, name="biased")(
+        x, decoder_attention_bias=bias
+    )
+    model = keras.Model([ids, bias], keras.layers.Dense(VOCAB)(y))
+    with pytest.raises(ValueError, match=r"biased.*\['decoder_attention_bias'\]"):
+        generate(model, [PROMPTS, np.zeros((2, 3, 3), "float32")], 6)
+    y = keras_attn.TransformerDecoder(32, 4)(x)
+    head = keras.layers.Softmax(axis=1, name="across_positions")
+    model = keras.Model(ids, head(keras.layers.Dense(VOCAB)(y)))
+    with pytest.raises(ValueError, match="across_positions"):
+        generate(model, PROMPTS, 6)
+
+
 def test_a_softmax_head_decodes_and_warns_once_before_sampling():
     """Greedy through the softmax equals greedy on the logits before it;
     sampling reads probabilities as logits, which warns, once per model."""
@@ -377,7 +400,9 @@ def test_a_softmax_head_decodes_and_warns_once_before_sampling():
 
 
 @pytest.mark.parametrize(
-    "prompt", [[[3, 4, 5]], [np.array([[3, 4, 5]])]], ids=["lists", "[array]"]
+    "prompt",
+    [[[3, 4, 5]], [np.array([[3, 4, 5]])], [np.array([3, 4, 5])]],
+    ids=["lists", "[array]", "[row]"],
 )
 def test_nested_list_prompts(gpt, greedy, prompt):
     tokens = generate(gpt, prompt, LENGTH)

@@ -16,7 +16,6 @@ Hugging Face's `generate`, one concern per module:
   so each step attends over at most twice the positions written so far.
 """
 
-import random
 import weakref
 
 import keras
@@ -149,7 +148,9 @@ def generate(
             segment (64, 128, ... positions) on the first call of each
             setting and prompt width, and then decodes about 10x faster than
             eager; it pays off for repeated calls. `False` runs the step
-            eagerly from a Python loop everywhere (for debugging).
+            eagerly from a Python loop everywhere (for debugging). Compiled
+            loops are kept per model, settings, prompt width, length and (on
+            PyTorch) batch size.
 
     Returns:
         numpy int32 array `(batch, length)`: each prompt followed by its
@@ -173,13 +174,13 @@ def generate(
     ((1, 7), True)
     """
     settings = Settings.from_arguments(
-        method, end_token_id, pad_token_id,
+        method, end_token_id, pad_token_id, return_scores,
         max_length=max_length, max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, repetition_penalty=repetition_penalty,
         length_penalty=length_penalty, seed=seed, num_beams=num_beams,
     )  # fmt: skip
-    _check_call_options(settings, return_scores, on_token)
+    _check_call_options(settings, on_token)
     jit_compile = _jit_compile(jit_compile)
     owner, plan = _plan(model)
     prompt, sources = plan.split_inputs(inputs)
@@ -206,12 +207,7 @@ def generate(
     return tokens, prompts.to_user_layout(scores, pads, right_padded, returned, 0.0)
 
 
-def _check_call_options(settings, return_scores, on_token):
-    if not isinstance(return_scores, bool):
-        raise TypeError(
-            "`return_scores` must be a bool. "
-            f"Received: return_scores={return_scores!r}."
-        )
+def _check_call_options(settings, on_token):
     if on_token is not None and not callable(on_token):
         raise TypeError(
             "`on_token` must be a callable `on_token(step, tokens)`. "
@@ -236,13 +232,10 @@ def _jit_compile(jit_compile):
 
 
 def _run(generator, settings, prompt, pads, sources, on_token):
-    numbers = settings.numbers()
-    seed = random.randrange(2**31 - 1) if settings.seed is None else settings.seed
     batch = {
         "prompt": prompt,
         "pads": pads,
-        "seed": np.int32([seed]),
-        **numbers,
+        **settings.numbers(),
         **{f"encoder_{i}": np.asarray(x) for i, x in enumerate(sources)},
     }
     # PyTorch loops in Python anyway; `predict_on_batch` adds no_grad.
@@ -268,11 +261,7 @@ def _eager_decode(generator, batch, on_token):
 def _plan(model):
     """`(cache owner, plan)`: the model's graph, read once, or the user's
     `(prefill, step)` functions."""
-    if (
-        isinstance(model, tuple | list)
-        and len(model) == 2
-        and all(map(callable, model))
-    ):
+    if _is_function_pair(model):
         owner = getattr(model[0], "__self__", model[0])
         return owner, _FunctionPlan(model)
     if not isinstance(model, keras.Model):  # GraphPlan says what it needs
@@ -280,6 +269,19 @@ def _plan(model):
     if model not in _PLANS:
         _PLANS[model] = GraphPlan(model)
     return model, _PLANS[model]
+
+
+def _is_function_pair(model):
+    """Two callables that are not layers (a list of two models is a mistake)."""
+    if not isinstance(model, tuple | list) or len(model) != 2:
+        return False
+    if any(isinstance(f, keras.layers.Layer) for f in model):
+        raise TypeError(
+            "`model` must be a functional keras.Model or a `(prefill, step)` "
+            "pair of functions. Received a pair of "
+            f"{[type(f).__name__ for f in model]}."
+        )
+    return all(map(callable, model))
 
 
 class _FunctionPlan:

@@ -1,7 +1,7 @@
 """Model adapters: the only code of `generate` that knows about layers.
 
-An adapter offers `prefill(inputs)`, `step(token, index, state)` and
-`grow(state, size)` on a model state (a dict of tensors, batch first). The
+An adapter offers `prefill(prompt, pads, sources, size)`, `step(token, index,
+state)` and `grow(state, size)` on a model state (a dict of tensors, batch first). The
 decoding loop and its strategies see only logits and that opaque state.
 """
 
@@ -28,7 +28,6 @@ class ModelAdapter:
     def __init__(self, plan, length):
         self.plan = plan
         self.layers = plan.layers
-        self.vocabulary_size = plan.vocabulary_size
         # Per decoder: whether its cache rolls over its window (see `_rolling`).
         self.rolling = [
             bool(layer.sliding_window and layer.sliding_window < length)
@@ -149,8 +148,6 @@ class FunctionAdapter:
     def __init__(self, functions, length):
         self.prefill_function, self.step_function = functions
         self.length = length
-        self.vocabulary_size = None  # known from the logits only
-        self.rolling = []
         owners = [getattr(f, "__self__", None) for f in functions]
         self.layers = [o for o in owners if isinstance(o, keras.layers.Layer)]
 

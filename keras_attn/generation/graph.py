@@ -4,6 +4,7 @@ head and encoder are. Done once per model; `adapter.py` runs what it finds."""
 import warnings
 
 import keras
+import numpy as np
 
 from keras_attn.layers import SinusoidalEmbedding, TransformerDecoder
 
@@ -27,6 +28,17 @@ EMBEDDINGS = (
     "ReversibleEmbedding (positions from the decoders' `rope_max_wavelength`)"
 )
 
+# Decoder call arguments a one-token step cannot be given.
+STEP_UNSAFE = (
+    "decoder_padding_mask",
+    "decoder_attention_mask",
+    "decoder_attention_bias",
+    "encoder_attention_mask",
+    "encoder_attention_bias",
+    "encoder_padding_mask",
+    "positions",
+)
+
 # Keras' tied embedding (`reverse=True` gives logits), where Keras has it.
 _REVERSIBLE_EMBEDDING = getattr(keras.layers, "ReversibleEmbedding", ())
 
@@ -44,10 +56,10 @@ class GraphPlan:
 
     def __init__(self, model):
         _check_model(model)
-        self.model = model
+        self.inputs = list(model.inputs)  # not the model: it keys the caches
         self._producers = _producers(model)
         self.head, self.body, self.embedding, prompt = self._trace(model.outputs[0])
-        self.prompt_index = _input_index(model, prompt)
+        self.prompt_index = _input_index(self.inputs, prompt)
         self.decoders = [layer for layer, _ in self.body if is_decoder(layer)]
         # Per decoder: whether it cross-attends to the encoder output.
         self.cross_attends = [
@@ -87,16 +99,16 @@ class GraphPlan:
 
     def _trace(self, logits):
         """Walk back from the logits: head layers, decoder blocks, embedding."""
-        head, (layer, inputs, kwargs) = [], self._producer(logits)
+        head, (layer, inputs, kwargs, tensors) = [], self._producer(logits)
         while not is_decoder(layer):
             if not _is_tied_head(layer, kwargs):
                 _check_per_token(layer, inputs, "after the last TransformerDecoder")
             head.insert(0, (layer, kwargs))
-            layer, inputs, kwargs = self._producer(inputs[0])
+            layer, inputs, kwargs, tensors = self._producer(inputs[0])
         body = []
         while not _is_token_embedding(layer, kwargs):
             if is_decoder(layer):
-                _check_causal(layer, kwargs)
+                _check_decoder_call(layer, kwargs, tensors)
                 # The node's tensors: the decoder sequence, then the encoder
                 # sequence if any (float, rank 3), then masks (bool).
                 sequences = [t for t in inputs[1:] if _is_sequence(t)]
@@ -104,23 +116,25 @@ class GraphPlan:
             else:
                 _check_before_decoders(layer, inputs)
                 body.insert(0, (layer, None))
-            layer, inputs, kwargs = self._producer(inputs[0], before_decoders=True)
+            layer, inputs, kwargs, tensors = self._producer(
+                inputs[0], before_decoders=True
+            )
         self.vocabulary_size = _vocabulary_size(layer)
         return head, body, layer, inputs[0]
 
     def _producer(self, tensor, before_decoders=False):
         found = self._producers.get(id(tensor))
         if found is None:
-            where = "before the TransformerDecoders" if before_decoders else ""
+            where = " before the TransformerDecoders" if before_decoders else ""
             raise ValueError(
-                f"`generate` found no token embedding {where}. It needs "
+                f"`generate` found no token embedding{where}. It needs "
                 f"{EMBEDDINGS}, then TransformerDecoders, then per-position "
                 "layers up to the logits."
             )
         return found
 
     def _plan_encoder(self, encoder_output):
-        sources = _ancestors(encoder_output, self._producers, self.model.inputs)
+        sources = _ancestors(encoder_output, self._producers, self.inputs)
         if self.prompt_index in sources:
             raise ValueError(
                 "`generate` needs the encoder output to depend only on the "
@@ -128,7 +142,7 @@ class GraphPlan:
             )
         self.encoder_indices = sorted(sources)
         self.encoder = keras.Model(
-            [self.model.inputs[i] for i in self.encoder_indices], encoder_output
+            [self.inputs[i] for i in self.encoder_indices], encoder_output
         )
         self.source_embedding = self._masking_embedding(encoder_output)
 
@@ -136,9 +150,9 @@ class GraphPlan:
         """`(encoder input position, embedding)` of the first layer on the
         way back from `tensor` whose mask pads the source, if any."""
         while id(tensor) in self._producers:
-            layer, inputs, _ = self._producers[id(tensor)]
+            layer, inputs, *_ = self._producers[id(tensor)]
             if getattr(layer, "mask_zero", False):
-                index = _input_index(self.model, inputs[0])
+                index = _input_index(self.inputs, inputs[0])
                 return self.encoder_indices.index(index), layer
             tensor = inputs[0]
         return None
@@ -147,7 +161,7 @@ class GraphPlan:
         """`(prompt, [encoder inputs])` from what the user passed: one array
         (nested lists too) for a one-input model, else a list in
         `model.inputs` order or a dict by input name."""
-        names = [t.name for t in self.model.inputs]
+        names = [t.name for t in self.inputs]
         if isinstance(inputs, dict):
             unknown = sorted(set(inputs) - set(names))
             if unknown or len(inputs) != len(names):
@@ -172,7 +186,7 @@ def _one_input(inputs):
     """A one-input model's ids: `[array]` (Keras' list form) is unwrapped;
     nested Python lists are the ids themselves."""
     if isinstance(inputs, list | tuple) and len(inputs) == 1:
-        if not isinstance(inputs[0], list | tuple | int):
+        if not isinstance(inputs[0], list | tuple) and np.ndim(inputs[0]) == 2:
             return inputs[0]
     return inputs
 
@@ -196,7 +210,16 @@ def _check_model(model):
         )
 
 
-def _check_causal(layer, kwargs):
+def _check_decoder_call(layer, kwargs, tensors):
+    """Refuse decoder calls the cached steps cannot reproduce."""
+    extra = sorted(set(tensors) & set(STEP_UNSAFE))
+    if extra:
+        raise ValueError(
+            f"`generate` cannot decode {layer.name}: it is called with {extra}, "
+            "which a one-token step cannot be given. Padding reaches the "
+            "decoders through the embedding's `mask_zero=True`; pass a "
+            "`(prefill, step)` pair for other models."
+        )
     if kwargs.get("use_causal_mask", True) is not True:
         raise ValueError(
             f"`generate` decodes one token at a time with a cache, which needs "
@@ -206,9 +229,18 @@ def _check_causal(layer, kwargs):
         )
 
 
-def _check_per_token(layer, inputs, where):
+def _is_per_token(layer, inputs):
+    """One sequence in, through a layer that acts on the last axis alone."""
     tensors = [t for t in inputs if _is_sequence(t)]
-    if not isinstance(layer, PER_TOKEN_LAYERS) or len(tensors) != 1:
+    axis = getattr(layer, "axis", -1)
+    last_axis = axis in (-1, 2) or (
+        isinstance(axis, list | tuple) and list(axis) in ([-1], [2])
+    )
+    return isinstance(layer, PER_TOKEN_LAYERS) and len(tensors) == 1 and last_axis
+
+
+def _check_per_token(layer, inputs, where):
+    if not _is_per_token(layer, inputs):
         raise ValueError(
             f"`generate` runs the layers {where} one token at a time, so they "
             "must act on each position alone: one of "
@@ -218,8 +250,7 @@ def _check_per_token(layer, inputs, where):
 
 
 def _check_before_decoders(layer, inputs):
-    tensors = [t for t in inputs if _is_sequence(t)]
-    if not isinstance(layer, PER_TOKEN_LAYERS) or len(tensors) != 1:
+    if not _is_per_token(layer, inputs):
         raise ValueError(
             f"`generate` found {layer.name} ({type(layer).__name__}) between "
             "the token ids and the first TransformerDecoder. It supports there "
@@ -270,7 +301,8 @@ def _is_sequence(tensor):
 
 
 def _producers(model):
-    """`id(output tensor) -> (layer, flat input tensors, call kwargs)` over the
+    """`id(output tensor) -> (layer, flat input tensors, call kwargs that are
+    not tensors, names of those that are)` over the
     model's layers. Each layer is called once, but for a tied
     `ReversibleEmbedding`: once forward and once `reverse=True`."""
     producers = {}
@@ -288,8 +320,15 @@ def _producers(model):
                 for k, v in node.arguments.kwargs.items()
                 if not isinstance(v, keras.KerasTensor)
             }
+            tensors = [  # names of the tensors passed by keyword
+                k
+                for k, v in node.arguments.kwargs.items()
+                if isinstance(v, keras.KerasTensor)
+            ]
             for output in node.output_tensors:
-                producers[id(output)] = (layer, list(node.input_tensors), kwargs)
+                producers[id(output)] = (
+                    layer, list(node.input_tensors), kwargs, tensors
+                )  # fmt: skip
     return producers
 
 
@@ -315,8 +354,8 @@ def _ancestors(tensor, producers, model_inputs):
     return indices
 
 
-def _input_index(model, tensor):
-    for i, model_input in enumerate(model.inputs):
+def _input_index(model_inputs, tensor):
+    for i, model_input in enumerate(model_inputs):
         if tensor is model_input:
             return i
     raise ValueError(

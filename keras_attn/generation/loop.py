@@ -7,17 +7,7 @@ from keras import ops
 
 from keras_attn.generation import processors, strategies
 from keras_attn.generation.adapter import FunctionAdapter, pad_to
-
-# The loop's numeric inputs (`Settings.numbers()` and the seed).
-NUMBERS = (
-    "seed",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "length_penalty",
-    "min_new_tokens",
-)
+from keras_attn.generation.settings import NUMBERS
 
 
 class Generator(keras.Model):
@@ -45,7 +35,8 @@ class Generator(keras.Model):
         return self.decode(inputs)
 
     def decode(self, inputs, on_token=None):
-        """`{"tokens", "scores"}`, each `(batch, length)`, left-padded rows.
+        """`{"tokens"}`, and `"scores"` if asked for, each `(batch, length)`,
+        left-padded rows.
 
         `on_token(step, tokens)` is called after each step with the new
         tokens `(batch,)`, from a Python loop (so not inside `predict`).
@@ -66,25 +57,28 @@ class Generator(keras.Model):
             if i > 0:
                 state["model"] = self.adapter.grow(state["model"], size)
             state = self._segment(state, size, numbers, on_token)
-        tokens, scores = self.strategy.finish(state, inputs)
-        return {"tokens": tokens, "scores": scores}
+        tokens, scores = self.strategy.finish(state, numbers)
+        return {"tokens": tokens, **({"scores": scores} if scores is not None else {})}
 
     def _initial_state(self, prompt, pads, logits, model):
         batch, vocabulary = ops.shape(prompt)[0], logits.shape[-1]
-        return {
+        state = {
             "index": ops.convert_to_tensor(self.width, "int32"),
             "tokens": pad_to(
                 ops.cast(prompt, "int32"), self.length, self.settings.pad_token_id
             ),
-            "scores": ops.zeros((batch, self.length), "float32"),
             "logits": logits,
             # False per row, computed from an input rather than a constant: XLA
             # from TensorFlow 2.21 fails on three while loops that pass a
             # constant through unchanged (tensorflow/tensorflow#122886).
             "done": ops.less(pads, 0),
-            "seen": _seen(prompt, pads, vocabulary),
             "model": model,
         }
+        if self.settings.return_scores:
+            state["scores"] = ops.zeros((batch, self.length), "float32")
+        if self.settings.penalized:
+            state["seen"] = _seen(prompt, pads, vocabulary)
+        return state
 
     def _segment(self, state, size, numbers, on_token):
         """Steps while the index is below `size` and some row is not done."""
@@ -97,7 +91,7 @@ class Generator(keras.Model):
         def body(state):
             return self._step(state, numbers)
 
-        if on_token is None and keras.config.backend() != "torch":
+        if on_token is None and self.jit_compile:  # JAX, TensorFlow
             return ops.while_loop(running, body, state)
         return self._python_loop(state, size, numbers, on_token)
 
@@ -121,13 +115,14 @@ class Generator(keras.Model):
 
     def _compiled(self, size, state, numbers):
         """PyTorch: the step exported and compiled for this segment's shapes."""
-        if size not in self.compiled_steps:
+        key = (size, tuple(state["tokens"].shape))  # exported for these shapes
+        if key not in self.compiled_steps:
             from keras_attn.generation import _torch
 
-            self.compiled_steps[size] = _torch.compile_step(
+            self.compiled_steps[key] = _torch.compile_step(
                 self._step, self.decoding_layers, state, numbers
             )
-        compiled = self.compiled_steps[size]
+        compiled = self.compiled_steps[key]
         return lambda state: compiled(state, numbers)
 
     def _step(self, state, numbers):
@@ -141,9 +136,11 @@ class Generator(keras.Model):
 
     def _process(self, state, numbers):
         """The logits processors the settings ask for, in Hugging Face's order."""
-        logits = processors.repetition_penalty(
-            state["logits"], state["seen"], numbers["repetition_penalty"]
-        )
+        logits = state["logits"]
+        if self.settings.penalized:
+            logits = processors.repetition_penalty(
+                logits, state["seen"], numbers["repetition_penalty"]
+            )
         if self.settings.end_token_ids:
             allowed = state["index"] - self.width >= numbers["min_new_tokens"]
             logits = processors.suppress_end_tokens(
@@ -160,22 +157,25 @@ class Generator(keras.Model):
         return ops.convert_to_tensor(np.isin(vocabulary, self.settings.end_token_ids))
 
     def _write(self, token, log_prob, state):
-        """Each row's token and its log-probability at `index` (padding once
-        the row is done)."""
+        """Each row's token (padding once the row is done) at `index`, and
+        what the settings keep of it: its log-probability, that it was seen."""
         done, index = state["done"], state["index"]
         token = ops.where(done, self.settings.pad_token_id, ops.cast(token, "int32"))
-        log_prob = ops.where(done, 0.0, log_prob)
+        state = {
+            **state,
+            "tokens": ops.slice_update(state["tokens"], [0, index], token[:, None]),
+        }
         if self.settings.end_token_ids:
             ends = ops.convert_to_tensor(self.settings.end_token_ids, "int32")
-            done = ops.logical_or(done, ops.any(token[:, None] == ends[None], -1))
-        vocabulary = state["seen"].shape[-1]
-        return token, {
-            **state,
-            "done": done,
-            "tokens": ops.slice_update(state["tokens"], [0, index], token[:, None]),
-            "scores": ops.slice_update(state["scores"], [0, index], log_prob[:, None]),
-            "seen": ops.logical_or(state["seen"], ops.one_hot(token, vocabulary) > 0),
-        }
+            ended = ops.any(token[:, None] == ends[None], -1)
+            state["done"] = ops.logical_or(done, ended)
+        if self.settings.return_scores:
+            log_prob = ops.where(done, 0.0, log_prob)[:, None]
+            state["scores"] = ops.slice_update(state["scores"], [0, index], log_prob)
+        if self.settings.penalized:
+            new = ops.one_hot(token, state["seen"].shape[-1]) > 0
+            state["seen"] = ops.logical_or(state["seen"], new)
+        return token, state
 
 
 def _seen(prompt, pads, vocabulary):

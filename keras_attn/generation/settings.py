@@ -3,11 +3,22 @@ key of compiled decoding loops."""
 
 import dataclasses
 import math
+import random
 
 import numpy as np
 
 METHODS = ("greedy", "sample", "beam")
-SAMPLING_ONLY = ("temperature", "top_k", "top_p")
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "seed")
+# The compiled loop's numeric inputs (`Settings.numbers()`).
+NUMBERS = (
+    "seed",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "length_penalty",
+    "min_new_tokens",
+)
 
 
 def _number():
@@ -21,15 +32,19 @@ class Settings:
     """What `generate` was asked for, checked.
 
     Equality and hash cover only the fields that shape the compiled loop
-    (`method`, `num_beams`, `end_token_ids`, `pad_token_id`), so a `Settings`
-    is the cache key of compiled generators; the others are fed to the loop
-    as numbers (`numbers()`).
+    (`method`, `num_beams`, `end_token_ids`, `pad_token_id`, whether scores
+    are kept and whether a repetition penalty applies), so a `Settings` is the
+    cache key of compiled generators; the others are fed to the loop as
+    numbers (`numbers()`): changing a penalty compiles nothing, switching it
+    on or off compiles once.
     """
 
     method: str
     num_beams: int
     end_token_ids: tuple
     pad_token_id: int
+    return_scores: bool
+    penalized: bool
     max_length: int | None = _number()
     max_new_tokens: int | None = _number()
     min_new_tokens: int = _number()
@@ -41,7 +56,9 @@ class Settings:
     seed: int | None = _number()
 
     @classmethod
-    def from_arguments(cls, method, end_token_id, pad_token_id, **arguments):
+    def from_arguments(
+        cls, method, end_token_id, pad_token_id, return_scores, **arguments
+    ):
         """Validate `generate`'s arguments, each once; raise naming the first
         bad one."""
         if method not in METHODS:
@@ -69,18 +86,28 @@ class Settings:
             "length_penalty", arguments["length_penalty"], "finite", math.isfinite
         )
         _check_method_options(method, arguments)
+        if not isinstance(return_scores, bool):
+            raise TypeError(
+                "`return_scores` must be a bool. "
+                f"Received: return_scores={return_scores!r}."
+            )
         return cls(
             method=method,
             num_beams=arguments["num_beams"] if method == "beam" else 1,
             end_token_ids=_end_token_ids(end_token_id),
             pad_token_id=int(pad_token_id),
+            return_scores=return_scores,
+            penalized=arguments["repetition_penalty"] != 1,
             **{k: v for k, v in arguments.items() if k != "num_beams"},
         )
 
     def numbers(self):
-        """The loop's numeric inputs, as arrays: changing them recompiles
-        nothing. `top_k=0` and `top_p=1` keep every token."""
+        """The loop's numeric inputs (`NUMBERS`), as arrays: changing them
+        recompiles nothing. `top_k=0` and `top_p=1` keep every token; the
+        seed defaults to a draw from Python's `random`."""
+        seed = random.randrange(2**31 - 1) if self.seed is None else self.seed
         return {
+            "seed": np.int32([seed]),
             "temperature": np.float32([self.temperature]),
             "top_k": np.int32([self.top_k or 0]),
             "top_p": np.float32([self.top_p or 1.0]),
@@ -91,7 +118,12 @@ class Settings:
 
 
 def _check_method_options(method, arguments):
-    """Refuse the sampling options with another method: they would be ignored."""
+    """Refuse options of another method: they would be ignored."""
+    if method != "beam" and arguments["length_penalty"] != 1:
+        raise ValueError(
+            f"length_penalty={arguments['length_penalty']!r} only applies to "
+            f"method='beam'. Received method={method!r}."
+        )
     if method == "sample":
         return
     given = [
@@ -150,7 +182,8 @@ def _check_optional_int(name, value, minimum, maximum=None):
 
 
 def _check_float(name, value, expected, valid):
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+    number = int | float | np.integer | np.floating
+    if isinstance(value, bool) or not isinstance(value, number):
         raise TypeError(
             f"`{name}` must be a number {expected}. Received: {name}={value!r} "
             f"of type {type(value).__name__}."

@@ -8,6 +8,7 @@ of row-major tensors (`index`, a scalar, aside); `scores` are the
 log-probabilities of the chosen tokens.
 """
 
+import keras
 from keras import ops
 
 from keras_attn.generation.processors import LOWEST
@@ -54,7 +55,7 @@ class Greedy:
         return _with_log_prob(ops.argmax(logits, axis=-1), logits, state)
 
     def finish(self, state, numbers):
-        return state["tokens"], state["scores"]
+        return state["tokens"], state.get("scores")
 
 
 class Sample(Greedy):
@@ -130,7 +131,10 @@ class BeamSearch:
         )
         best = ops.argmax(ops.reshape(ranks, (-1, self.beams)), axis=-1)
         best += ops.arange(ops.shape(best)[0]) * self.beams
-        return ops.take(state["tokens"], best, 0), ops.take(state["scores"], best, 0)
+        scores = state.get("scores")
+        return ops.take(state["tokens"], best, 0), (
+            None if scores is None else ops.take(scores, best, 0)
+        )
 
 
 def strategy(settings):
@@ -150,9 +154,5 @@ def _repeat(times):
 
 
 def _map(function, tree):
-    """`function` on every tensor of a nest of dicts and lists."""
-    if isinstance(tree, dict):
-        return {key: _map(function, value) for key, value in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [_map(function, value) for value in tree]
-    return function(tree)
+    """`function` on every tensor of a nest, keeping its structure."""
+    return keras.tree.map_structure(function, tree)
