@@ -98,6 +98,9 @@ def generate(
             returns `(logits, state)`. Logits are `(batch, vocabulary)` or
             `(batch, length, vocabulary)` (the last position's are used), the
             state any nest of batch-first tensors whose shapes do not change.
+            The compiled loop reads the weights of the layer whose bound
+            methods they are; plain closures have their model's weights
+            compiled in, so pass new closures after training.
         inputs: int token ids `(batch, prompt_length)` (array, tensor or
             nested lists) for a one-input model, or a list (in `model.inputs`
             order) or dict (by input name) for an encoder-decoder model, whose
