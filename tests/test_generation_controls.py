@@ -350,6 +350,20 @@ def test_prefill_and_step_functions_decode_any_model(gpt, method):
         assert row.tolist() == naive_greedy(gpt, prompt, 10)
 
 
+def test_prefill_and_step_closures_read_the_current_weights():
+    """A closure over a model keeps its compiled loop and reads the weights
+    as they are now, not as when it was compiled."""
+    model = decoder_only_model(VOCAB, WIDTH, seed=1)
+    functions = cacheless(model)
+    before = generate(functions, PROMPTS, 8)
+    model.set_weights([-1.3 * w for w in model.get_weights()])
+    after = generate(functions, PROMPTS, 8)
+    assert len(generation._GENERATORS[functions[0]]) == 1
+    assert not np.array_equal(before, after)
+    for row, prompt in zip(after, PROMPTS, strict=True):
+        assert row.tolist() == naive_greedy(model, prompt, 8)
+
+
 # --- The reported bugs ----------------------------------------------------------
 
 

@@ -98,9 +98,9 @@ def generate(
             returns `(logits, state)`. Logits are `(batch, vocabulary)` or
             `(batch, length, vocabulary)` (the last position's are used), the
             state any nest of batch-first tensors whose shapes do not change.
-            The compiled loop reads the weights of the layer whose bound
-            methods they are; plain closures have their model's weights
-            compiled in, so pass new closures after training.
+            The compiled loop is kept, and reads the current weights, for
+            functions that are methods of a Keras layer or model, or close
+            over one; otherwise it is compiled anew on each call.
         inputs: int token ids `(batch, prompt_length)` (array, tensor or
             nested lists) for a one-input model, or a list (in `model.inputs`
             order) or dict (by input name) for an encoder-decoder model, whose
@@ -309,13 +309,15 @@ def _generator(owner, plan, settings, width, length, jit_compile):
     functions_key = functions and tuple(map(_function_key, functions))
     key = (settings, width, length, jit_compile, functions_key)
     cache = _GENERATORS.setdefault(owner, {})
-    if key not in cache:
-        adapter = (
-            FunctionAdapter(functions, length)
-            if functions
-            else ModelAdapter(plan, length)
-        )
-        cache[key] = Generator(adapter, settings, width, length, jit_compile)
+    if key in cache:
+        return cache[key]
+    if functions:
+        adapter = FunctionAdapter(functions, length)
+        if not adapter.layers:  # weights unknown: compiled in, so never kept
+            return Generator(adapter, settings, width, length, jit_compile)
+    else:
+        adapter = ModelAdapter(plan, length)
+    cache[key] = Generator(adapter, settings, width, length, jit_compile)
     return cache[key]
 
 

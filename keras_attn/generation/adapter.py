@@ -148,8 +148,7 @@ class FunctionAdapter:
     def __init__(self, functions, length):
         self.prefill_function, self.step_function = functions
         self.length = length
-        owners = [getattr(f, "__self__", None) for f in functions]
-        self.layers = [o for o in owners if isinstance(o, keras.layers.Layer)]
+        self.layers = _layers_of(functions)
 
     def prefill(self, prompt, pads, sources, size):
         logits, state = self.prefill_function(prompt, self.length)
@@ -172,6 +171,18 @@ def padding_mask(embedding, token_ids):
     if isinstance(embedding, keras.layers.Embedding):
         return keras.layers.Embedding.compute_mask(embedding, token_ids)
     return embedding.compute_mask(token_ids)
+
+
+def _layers_of(functions):
+    """The Keras layers the functions are methods of or close over: the
+    compiled loop reads their weights as state, not as constants."""
+    found = []
+    for function in functions:
+        cells = [c.cell_contents for c in getattr(function, "__closure__", None) or ()]
+        for value in [getattr(function, "__self__", None), *cells]:
+            if isinstance(value, keras.layers.Layer) and value not in found:
+                found.append(value)
+    return found
 
 
 def _last(logits):
