@@ -5,7 +5,6 @@ Every function here is stateless and backend-agnostic. Shapes use `B` batch,
 """
 
 import math
-import numbers
 
 import keras
 import numpy as np
@@ -140,17 +139,11 @@ def _check_rotary(x, positions, max_wavelength, scaling_factor):
             "`positions` must be (length,) or (batch, length), or (1, length), "
             f"for x.shape={tuple(x.shape)}. Received: positions.shape={shape}."
         )
-    for name, value in (
-        ("max_wavelength", max_wavelength),
-        ("scaling_factor", scaling_factor),
-    ):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"`{name}` must be a number > 0. Received: {name}={value!r} "
-                f"of type {type(value).__name__}."
-            )
-        if not value > 0:
-            raise ValueError(f"`{name}` must be > 0. Received: {name}={value!r}.")
+    # Imported here: `keras_attn.layers` imports this module at load time.
+    from keras_attn.layers._utils import check_positive_float
+
+    check_positive_float("max_wavelength", max_wavelength)
+    check_positive_float("scaling_factor", scaling_factor)
 
 
 def _offsets(query_length, key_length, query_offset):
