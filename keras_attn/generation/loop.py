@@ -148,8 +148,11 @@ class Generator(keras.Model):
             )
         if self.settings.method == "sample":
             logits = processors.temperature(logits, numbers["temperature"])
-            logits = processors.top_k(logits, numbers["top_k"])
-            logits = processors.top_p(logits, numbers["top_p"])
+            sorted_logits = processors.descending(logits)
+            logits, sorted_logits = processors.top_k(
+                logits, sorted_logits, numbers["top_k"]
+            )
+            logits = processors.top_p(logits, sorted_logits, numbers["top_p"])
         return logits
 
     def _end_tokens(self, logits):

@@ -31,22 +31,30 @@ def temperature(logits, value):
     return logits / value
 
 
-def top_k(logits, k):
+def descending(logits):
+    """Each row's logits sorted from the largest: what `top_k` and `top_p`
+    read, sorted once per step."""
+    return ops.flip(ops.sort(logits, axis=-1), axis=-1)
+
+
+def top_k(logits, sorted_logits, k):
     """Keep the `k` largest logits per row (and ties with the k-th); `k=0`
-    keeps all."""
+    keeps all. Returns the logits and their sorted form, both filtered (the
+    removed ones are the smallest, so the sort still holds)."""
     vocabulary = logits.shape[-1]
-    descending = ops.flip(ops.sort(logits, axis=-1), axis=-1)
     k = ops.where(k > 0, ops.minimum(k, vocabulary), vocabulary)
-    kth = ops.take(descending, k - 1, axis=-1)  # (rows, 1)
-    return ops.where(logits < kth, LOWEST, logits)
+    kth = ops.take(sorted_logits, k - 1, axis=-1)  # (rows, 1)
+    return (
+        ops.where(logits < kth, LOWEST, logits),
+        ops.where(sorted_logits < kth, LOWEST, sorted_logits),
+    )
 
 
-def top_p(logits, p):
+def top_p(logits, sorted_logits, p):
     """Keep the smallest set of most likely tokens whose probability reaches
     `p` (nucleus sampling, Holtzman et al., 2020); `p=1` keeps all."""
-    descending = ops.flip(ops.sort(logits, axis=-1), axis=-1)
-    probabilities = ops.softmax(descending, axis=-1)
+    probabilities = ops.softmax(sorted_logits, axis=-1)
     mass_before = ops.cumsum(probabilities, axis=-1) - probabilities
     kept = ops.logical_or(mass_before < p, p >= 1.0)
-    threshold = ops.min(ops.where(kept, descending, np.inf), axis=-1, keepdims=True)
+    threshold = ops.min(ops.where(kept, sorted_logits, np.inf), axis=-1, keepdims=True)
     return ops.where(logits < threshold, LOWEST, logits)
