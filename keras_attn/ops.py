@@ -114,8 +114,9 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     cos, sin = ops.cos(angles), ops.sin(angles)  # (B|1, T, 1, D)
     x1, x2 = ops.split(x, 2, axis=-1)
     rotated = ops.concatenate([-x2, x1], axis=-1)
-    x32 = ops.cast(x, "float32")
-    output = x32 * cos + ops.cast(rotated, "float32") * sin
+    wide = _at_least_float32(x.dtype)
+    cos, sin = ops.cast(cos, wide), ops.cast(sin, wide)
+    output = ops.cast(x, wide) * cos + ops.cast(rotated, wide) * sin
     return ops.cast(output, x.dtype)
 
 
@@ -332,7 +333,8 @@ def _uses_fused_kernel(query, value, flash_attention, dropout, scores, soft_cap)
 
     1. `flash_attention=False`: explicit.
     2. Dropout on the weights (training), returning the weights, values of
-       another width than the keys, or soft-capped logits: explicit; with
+       another width than the keys, soft-capped logits, or float64 (Keras'
+       fused op returns float32 for it on JAX and PyTorch): explicit; with
        `flash_attention=True`, a `ValueError`.
     3. `flash_attention=True`: fused (the backend raises where it has no
        flash kernel, e.g. on a CPU or under TensorFlow).
@@ -352,6 +354,7 @@ def _uses_fused_kernel(query, value, flash_attention, dropout, scores, soft_cap)
             value.shape[-1], query.shape[-1]
         ),
         "soft-capped logits": soft_cap is not None,
+        "float64 inputs": keras.backend.standardize_dtype(query.dtype) == "float64",
     }
     needs_explicit = [reason for reason, applies in reasons.items() if applies]
     if flash_attention is False or (needs_explicit and flash_attention is None):
@@ -382,15 +385,24 @@ def _grouped_einsums(num_heads, num_key_value_heads, heads_major):
     return f"btkgd,{keys}->bkgts", f"bkgts,{keys}->btkgd"
 
 
+def _at_least_float32(dtype):
+    """The dtype of logits and softmax: float32, or float64 for float64."""
+    return (
+        "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+    )
+
+
 def _masked_softmax(logits, mask, dtype):
-    """Float32 softmax of `logits` over the keys `mask` allows, cast to `dtype`."""
+    """Softmax of `logits` over the keys `mask` allows, cast to `dtype`."""
     if mask is not None:
-        logits = ops.where(mask, logits, np.finfo("float32").min)
+        lowest = np.finfo(keras.backend.standardize_dtype(logits.dtype)).min
+        logits = ops.where(mask, logits, lowest)
     return ops.cast(ops.softmax(logits, axis=-1), dtype)
 
 
 def _explicit_attention(query, key, value, mask, bias, dropout, heads_major, soft_cap):
-    """Materialized softmax(cap(QK^T) + bias) V, logits and softmax in float32.
+    """Materialized softmax(cap(QK^T) + bias) V, logits and softmax in float32
+    (float64 for float64 inputs).
 
     `query` `(B, T, H, D)` (already scaled); `key`, `value` `(B, S, K, D)`, or
     `(B, K, S, D)` with `heads_major`. Returns `(output (B, T, H, Dv),
@@ -403,17 +415,18 @@ def _explicit_attention(query, key, value, mask, bias, dropout, heads_major, sof
     scores_equation, combine_equation = _grouped_einsums(
         num_heads, num_key_value_heads, heads_major
     )
-    query = ops.cast(query, "float32")
+    wide = _at_least_float32(query.dtype)
+    query = ops.cast(query, wide)
     if groups > 1:
         query = ops.reshape(
             query, (batch, query_length, num_key_value_heads, groups, head_dim)
         )
-    logits = ops.einsum(scores_equation, query, ops.cast(key, "float32"))
+    logits = ops.einsum(scores_equation, query, ops.cast(key, wide))
     logits = ops.reshape(logits, (batch, num_heads, query_length, key_length))
     if soft_cap is not None:  # Gemma 2: cap * tanh(logits / cap)
         logits = ops.tanh(logits / soft_cap) * soft_cap
     if bias is not None:
-        logits = logits + ops.cast(bias, "float32")
+        logits = logits + ops.cast(bias, wide)
     probs = _masked_softmax(logits, mask, value.dtype)
     weights = probs if dropout is None else dropout(probs)
     if groups > 1:
@@ -515,7 +528,8 @@ def dot_product_attention(
         )
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # Scaled once, before either kernel: both then see the same scaled query.
-    query = ops.multiply(query, ops.cast(scale, query.dtype))
+    dtype = keras.backend.standardize_dtype(query.dtype)
+    query = ops.multiply(query, ops.convert_to_tensor(scale, dtype=dtype))
     query_length = ops.shape(query)[1]
     key_length = ops.shape(key)[2 if heads_major else 1]
     fused = _uses_fused_kernel(

@@ -1,6 +1,8 @@
 """The functions of keras_attn.ops: the sinusoid, masks, ALiBi, and the one
 attention dispatcher (its table, masks of every rank, empty rows)."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -287,3 +289,33 @@ def test_flash_attention_true_refuses_what_the_flash_kernel_cannot_do(
         ValueError, match=rf"`flash_attention=True` needs the fused.*{refused}"
     ):
         attn_ops.dot_product_attention(q, q, v, flash_attention=True, **kwargs)
+
+
+@contextlib.contextmanager
+def float64_enabled():
+    """JAX computes in float32 unless 64-bit types are enabled."""
+    if BACKEND != "jax":
+        yield
+        return
+    import jax
+
+    with jax.enable_x64(True):
+        yield
+
+
+def test_float64_attention_is_computed_in_float64(fused_calls):
+    """Keras' fused op returns float32 for float64 on JAX and PyTorch: the
+    dispatcher takes the explicit path, which keeps float64 logits."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=s) for s in [(2, 3, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8)])
+    mask = rng.random((2, 1, 3, 5)) > 0.3
+    with float64_enabled():
+        output = attn_ops.dot_product_attention(q, k, v, mask=mask)
+        assert keras.backend.standardize_dtype(output.dtype) == "float64"
+        output = keras.ops.convert_to_numpy(output)
+        with pytest.raises(ValueError, match="float64 inputs"):
+            attn_ops.dot_product_attention(q, k, v, flash_attention=True)
+    np.testing.assert_allclose(
+        output, dot_product_reference(q, k, v, mask)[0], atol=1e-12
+    )
+    assert not fused_calls

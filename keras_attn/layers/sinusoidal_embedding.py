@@ -192,7 +192,7 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
             self._check_token_ids(inputs)
             x = self.token_embedding(inputs)  # (B, ..., T, D)
             if self.scale_embeddings:
-                x = x * ops.cast(self.embedding_dim**0.5, x.dtype)
+                x = x * ops.convert_to_tensor(self.embedding_dim**0.5, x.dtype)
         length = ops.shape(x)[-2]
         positions = attn_ops.sinusoidal_position_encoding(
             length,
