@@ -11,36 +11,39 @@ import re
 import keras
 
 _SPLIT = "<model axis>"  # Stands for `model_parallel_dim_name` below.
+_SHARD = "<batch axis>"  # `data_parallel_dim_name`, with `shard_weights_over_batch`.
 
 # Every keras_attn weight, by the end of its variable path: the axes of its
 # layout and what the split dimension counts. As in Megatron-LM (Shoeybi et al.
 # 2019), the first matrix of each sublayer is split over its outputs (heads,
 # intermediate units) and the second over its inputs, so each attention and
-# feed-forward sublayer needs a single all-reduce.
+# feed-forward sublayer needs a single all-reduce. Fully sharded (ZeRO-3 / FSDP,
+# Rajbhandari et al. 2020), the batch axis also splits another dimension: the
+# model width where the weight has one.
 _WEIGHTS = (
-    ("query/kernel", (None, _SPLIT, None), "heads"),
-    ("query/bias", (_SPLIT, None), "heads"),
-    ("key/kernel", (None, _SPLIT, None), "key/value heads"),
-    ("key/bias", (_SPLIT, None), "key/value heads"),
-    ("value/kernel", (None, _SPLIT, None), "key/value heads"),
-    ("value/bias", (_SPLIT, None), "key/value heads"),
-    ("gate/kernel", (None, _SPLIT, None), "heads"),
-    ("gate/bias", (_SPLIT, None), "heads"),
-    ("attention_output/kernel", (_SPLIT, None, None), "heads"),
-    ("attention_output/bias", (None,), None),
-    ("feedforward_intermediate_dense/kernel", (None, _SPLIT), "intermediate units"),
+    ("query/kernel", (_SHARD, _SPLIT, None), "heads"),
+    ("query/bias", (_SPLIT, _SHARD), "heads"),
+    ("key/kernel", (_SHARD, _SPLIT, None), "key/value heads"),
+    ("key/bias", (_SPLIT, _SHARD), "key/value heads"),
+    ("value/kernel", (_SHARD, _SPLIT, None), "key/value heads"),
+    ("value/bias", (_SPLIT, _SHARD), "key/value heads"),
+    ("gate/kernel", (_SHARD, _SPLIT, None), "heads"),
+    ("gate/bias", (_SPLIT, _SHARD), "heads"),
+    ("attention_output/kernel", (_SPLIT, None, _SHARD), "heads"),
+    ("attention_output/bias", (_SHARD,), None),
+    ("feedforward_intermediate_dense/kernel", (_SHARD, _SPLIT), "intermediate units"),
     ("feedforward_intermediate_dense/bias", (_SPLIT,), "intermediate units"),
-    ("feedforward_gate_dense/kernel", (None, _SPLIT), "intermediate units"),
+    ("feedforward_gate_dense/kernel", (_SHARD, _SPLIT), "intermediate units"),
     ("feedforward_gate_dense/bias", (_SPLIT,), "intermediate units"),
-    ("feedforward_output_dense/kernel", (_SPLIT, None), "intermediate units"),
-    ("feedforward_output_dense/bias", (None,), None),
-    ("embeddings", (None, _SPLIT), "embedding width"),
+    ("feedforward_output_dense/kernel", (_SPLIT, _SHARD), "intermediate units"),
+    ("feedforward_output_dense/bias", (_SHARD,), None),
+    ("embeddings", (_SHARD, _SPLIT), "embedding width"),
     *(
-        (f"{sublayer}_layer_norm/{weight}", (None,), None)
+        (f"{sublayer}_layer_norm/{weight}", (_SHARD,), None)
         for sublayer in ("self_attention", "cross_attention", "feedforward")
         for weight in ("gamma", "beta", "scale")
     ),
-    *((f"{name}_norm/scale", (None,), None) for name in ("query", "key")),
+    *((f"{name}_norm/scale", (_SHARD,), None) for name in ("query", "key")),
 )
 # Replicated where the model axis does not divide them: the key/value heads of
 # grouped-query attention. Every other split dimension must be divisible.
@@ -53,6 +56,7 @@ def get_layout_map(
     data_parallel_dim_name="batch",
     *,
     model=None,
+    shard_weights_over_batch=False,
 ):
     """A `keras.distribution.LayoutMap` for Megatron-style tensor parallelism.
 
@@ -79,10 +83,31 @@ def get_layout_map(
     it is split the same way; other layers' weights match none, and
     `ModelParallel` replicates them (as it does the scales of quantized
     kernels and LoRA adapters). Every weight is
-    replicated across `data_parallel_dim_name`, over which the batch is split.
+    replicated across `data_parallel_dim_name`, over which the batch is split,
+    unless `shard_weights_over_batch=True`.
     Layouts only place the numbers: training gives the results of one device,
     up to float rounding. They take effect on the JAX backend; on TensorFlow
     and PyTorch, Keras 3.15 accepts a `ModelParallel` but places nothing.
+
+    Fully sharded weights (`shard_weights_over_batch=True`), as ZeRO-3
+    (Rajbhandari et al. 2020) and PyTorch's FSDP keep them: every weight is
+    also split over the batch axis, and with it the optimizer's variables
+    (Keras gives them their weight's layout), so each device holds
+    `1 / (batch axis size)` of what it held. XLA's SPMD partitioner gathers a
+    weight where a step needs it whole and reduce-scatters its gradient, so
+    training gives the same numbers, at the cost of that traffic. Use it when
+    the weights and Adam's moments, not the activations, fill the devices. The
+    batch axis splits the model width of each weight: `query/kernel` becomes
+    `("batch", "model", None)`, `attention_output/kernel`
+    `("model", None, "batch")`, `feedforward_output_dense/kernel`
+    `("model", "batch")`, the norms and output biases `("batch",)`; the
+    projection biases split their head size, `("model", "batch")`, and the
+    token embeddings their rows, `("batch", "model")`. The feed-forward
+    intermediate biases stay `("model",)`: a Keras layout gives each dimension
+    one mesh axis. With `model`, a dimension that the batch axis does not
+    divide stays whole, and the weights of other layers (a `Dense` head) are
+    split over the batch axis along their largest dimension that it divides;
+    without `model` the batch axis must divide the dimensions above.
 
     Two modes:
 
@@ -115,6 +140,9 @@ def get_layout_map(
             mesh without one. Defaults to `"batch"`.
         model: optional built `keras.Model` or layer, whose weights get exact
             rules, checked against the model axis size. Defaults to `None`.
+        shard_weights_over_batch: bool. Whether to split every weight over
+            `data_parallel_dim_name` too (fully sharded, FSDP style).
+            Defaults to `False`.
 
     Returns:
         A `keras.distribution.LayoutMap` on `device_mesh`.
@@ -140,12 +168,23 @@ def get_layout_map(
     >>> layout_map = keras_attn.distribution.get_layout_map(mesh, model=encoder)
     >>> layout_map["encoder/self_attention/key/kernel"].axes
     (None, 'model', None)
+
+    Fully sharded:
+
+    >>> layout_map = keras_attn.distribution.get_layout_map(
+    ...     mesh, shard_weights_over_batch=True)
+    >>> layout_map["translator/encoder/self_attention/query/kernel"].axes
+    ('batch', 'model', None)
     """
-    axis_size = _model_axis_size(
-        device_mesh, model_parallel_dim_name, data_parallel_dim_name
-    )
+    sizes = _axis_sizes(device_mesh, model_parallel_dim_name, data_parallel_dim_name)
+    batch_dim = _fully_sharded_axis(shard_weights_over_batch, data_parallel_dim_name)
     rules = [
-        (f".*/{re.escape(suffix)}$", suffix, _axes(axes, model_parallel_dim_name), what)
+        (
+            f".*/{re.escape(suffix)}$",
+            suffix,
+            _axes(axes, model_parallel_dim_name, batch_dim),
+            what,
+        )
         for suffix, axes, what in _WEIGHTS
     ]
     layout_map = keras.distribution.LayoutMap(device_mesh)
@@ -156,9 +195,9 @@ def get_layout_map(
     # `LayoutMap` matches keys as regexes, even `in`: keep track of the paths.
     paths = set()
     for variable in _built_weights(model):
-        rule = next((r for r in rules if re.fullmatch(r[0], variable.path)), None)
-        if rule is None or len(variable.shape) != len(rule[2]):
-            continue  # Not a keras_attn weight.
+        axes = _weight_axes(variable, rules, sizes, batch_dim)
+        if axes is None:
+            continue  # Not a keras_attn weight, and not fully sharded.
         if variable.path in paths:
             raise ValueError(
                 f"Two weights of `model` have the path '{variable.path}', so a "
@@ -167,12 +206,12 @@ def get_layout_map(
             )
         paths.add(variable.path)
         # Escaped: exact even with `.` or `+` in layer names.
-        layout_map[re.escape(variable.path)] = _checked_axes(variable, rule, axis_size)
+        layout_map[re.escape(variable.path)] = axes
     return layout_map
 
 
-def _model_axis_size(device_mesh, model_dim, data_dim):
-    """Raise unless the axis names are the mesh's; return the model axis size."""
+def _axis_sizes(device_mesh, model_dim, data_dim):
+    """Raise unless the axis names are the mesh's; the size of each axis."""
     if not isinstance(device_mesh, keras.distribution.DeviceMesh):
         raise TypeError(
             "`device_mesh` must be a `keras.distribution.DeviceMesh`. "
@@ -193,11 +232,28 @@ def _model_axis_size(device_mesh, model_dim, data_dim):
             f"data_parallel_dim_name={data_dim!r}, model_parallel_dim_name="
             f"{model_dim!r}, device_mesh.axis_names={names}."
         )
-    return device_mesh.shape[names.index(model_dim)]
+    return dict(zip(names, device_mesh.shape, strict=True))
 
 
-def _axes(axes, model_dim):
-    return tuple(model_dim if axis == _SPLIT else axis for axis in axes)
+def _fully_sharded_axis(shard_weights_over_batch, data_dim):
+    """The axis that also splits every weight, or None."""
+    if not isinstance(shard_weights_over_batch, bool):
+        raise TypeError(
+            "`shard_weights_over_batch` must be a bool. Received: "
+            f"shard_weights_over_batch={shard_weights_over_batch!r}."
+        )
+    if shard_weights_over_batch and data_dim is None:
+        raise ValueError(
+            "`shard_weights_over_batch=True` splits the weights over the batch "
+            "axis, so `data_parallel_dim_name` must name it. Received: "
+            "data_parallel_dim_name=None."
+        )
+    return data_dim if shard_weights_over_batch else None
+
+
+def _axes(axes, model_dim, batch_dim):
+    names = {_SPLIT: model_dim, _SHARD: batch_dim}
+    return tuple(names.get(axis, axis) for axis in axes)
 
 
 def _built_weights(model):
@@ -210,18 +266,50 @@ def _built_weights(model):
     return model.weights
 
 
-def _checked_axes(variable, rule, axis_size):
+def _weight_axes(variable, rules, sizes, batch_dim):
+    """The layout axes of one weight of a built model, or None to replicate."""
+    rule = next((r for r in rules if re.fullmatch(r[0], variable.path)), None)
+    if rule is None or len(variable.shape) != len(rule[2]):
+        if batch_dim is None:
+            return None
+        return _largest_dimension_over(variable.shape, batch_dim, sizes[batch_dim])
+    _, _, axes, _ = rule
+    model_dim = next((axis for axis in axes if axis not in (None, batch_dim)), None)
+    axes = _checked_model_axes(variable, rule, model_dim, sizes.get(model_dim))
+    if batch_dim is None:
+        return axes
+    # Fully sharded: a dimension the batch axis does not divide stays whole.
+    return tuple(
+        None if axis == batch_dim and size % sizes[batch_dim] else axis
+        for axis, size in zip(axes, variable.shape, strict=True)
+    )
+
+
+def _largest_dimension_over(shape, batch_dim, batch_size):
+    """Another layer's weight, fully sharded: its largest dimension that the
+    batch axis divides is split over it."""
+    divisible = [i for i, size in enumerate(shape) if size % batch_size == 0]
+    if not divisible:
+        return (None,) * len(shape)
+    largest = max(divisible, key=lambda i: shape[i])
+    return tuple(batch_dim if i == largest else None for i in range(len(shape)))
+
+
+def _checked_model_axes(variable, rule, model_dim, axis_size):
     """The rule's axes where the model axis divides the split dimension;
-    replicated for grouped-query key/value heads; a `ValueError` otherwise."""
+    replicated over it for grouped-query key/value heads; a `ValueError`
+    otherwise."""
     _, suffix, axes, what = rule
-    split = [i for i, axis in enumerate(axes) if axis is not None]
-    if not split or variable.shape[split[0]] % axis_size == 0:
+    if model_dim is None:
+        return axes
+    dim = axes.index(model_dim)
+    size = variable.shape[dim]
+    if size % axis_size == 0:
         return axes
     if suffix in _REPLICATED_IF_INDIVISIBLE:
-        return (None,) * len(axes)
-    dim, size = split[0], variable.shape[split[0]]
+        return tuple(None if axis == model_dim else axis for axis in axes)
     raise ValueError(
-        f"The model axis '{axes[dim]}' (size {axis_size}) must divide the "
+        f"The model axis '{model_dim}' (size {axis_size}) must divide the "
         f"{what} of every keras_attn layer: tensor parallelism splits them over "
         f"it. Received: weight '{variable.path}' of shape "
         f"{tuple(variable.shape)}, whose dimension {dim} ({what}) is {size}. "

@@ -307,6 +307,20 @@ LAYOUT_ROWS = [
         id="data_parallel_dim_name-same-as-model",
     ),
     pytest.param(
+        {"shard_weights_over_batch": "yes"},
+        TypeError,
+        r"`shard_weights_over_batch` must be a bool. Received: "
+        r"shard_weights_over_batch='yes'",
+        id="shard_weights_over_batch-type",
+    ),
+    pytest.param(
+        {"shard_weights_over_batch": True, "data_parallel_dim_name": None},
+        ValueError,
+        r"`shard_weights_over_batch=True` .* `data_parallel_dim_name` must name "
+        r"it. Received: data_parallel_dim_name=None",
+        id="shard_weights_over_batch-without-batch-axis",
+    ),
+    pytest.param(
         {"model": lambda: keras_attn.TransformerEncoder(8, 2, name="encoder")},
         ValueError,
         r"`model` must be built.*'encoder', not built",
@@ -361,6 +375,60 @@ def test_mesh_with_a_model_axis_only():
     assert layout.axes == ("tensor", None, None)
 
 
+# Fully sharded (`shard_weights_over_batch=True`): the batch axis also splits
+# the model width, or the head size of projection biases and the rows of
+# token embeddings; written out independently of keras_attn/distribution.py.
+FULLY_SHARDED = {
+    **{f"{p}/kernel": ("batch", "model", None) for p in ("query", "key", "value")},
+    "gate/kernel": ("batch", "model", None),
+    **{f"{p}/bias": ("model", "batch") for p in ("query", "key", "value", "gate")},
+    "attention_output/kernel": ("model", None, "batch"),
+    "attention_output/bias": ("batch",),
+    "feedforward_intermediate_dense/kernel": ("batch", "model"),
+    "feedforward_intermediate_dense/bias": ("model",),
+    "feedforward_gate_dense/kernel": ("batch", "model"),
+    "feedforward_gate_dense/bias": ("model",),
+    "feedforward_output_dense/kernel": ("model", "batch"),
+    "feedforward_output_dense/bias": ("batch",),
+    "embeddings": ("batch", "model"),
+    **{end: ("batch",) for end, axes in EXPECTED.items() if axes == (None,)},
+}
+
+
+def fully_sharded_axes(path):
+    (end,) = [end for end in FULLY_SHARDED if path.endswith("/" + end)]
+    return FULLY_SHARDED[end]
+
+
+def test_fully_sharded_rules_split_every_weight_over_the_batch_axis_too():
+    layout_map = get_layout_map(fake_mesh(2, 2), shard_weights_over_batch=True)
+    weights = keras_attn_weights(encoder_decoder(use_gate=True))
+    for weight in weights + modern_decoder().weights:
+        assert layout_map[weight.path].axes == fully_sharded_axes(weight.path)
+    assert layout_map["translator/logits/kernel"] is None  # Not keras_attn's.
+
+
+def test_fully_sharded_model_rules_cover_other_layers_and_odd_sizes():
+    model = encoder_decoder()  # A vocabulary of 13: odd embedding rows.
+    layout_map = get_layout_map(
+        fake_mesh(2, 2), model=model, shard_weights_over_batch=True
+    )
+    assert sorted(layout_map) == sorted(w.path for w in model.weights)
+    for weight in keras_attn_weights(model):
+        expected = fully_sharded_axes(weight.path)
+        if weight.path.endswith("embeddings"):  # 13 rows stay whole.
+            expected = (None, "model")
+        assert layout_map[weight.path].axes == expected, weight.path
+    # The Dense head, `(16, 13)` and `(13,)`: its largest even dimension.
+    assert layout_map["logits/kernel"].axes == ("batch", None)
+    assert layout_map["logits/bias"].axes == (None,)
+    # A batch axis of 1 divides everything; a model axis of 1 too.
+    layout_map = get_layout_map(
+        fake_mesh(1, 1), model=model, shard_weights_over_batch=True
+    )
+    assert layout_map["logits/bias"].axes == ("batch",)
+
+
 # Subprocesses: training on several devices.
 
 JAX_ONLY = pytest.mark.skipif(
@@ -368,18 +436,6 @@ JAX_ONLY = pytest.mark.skipif(
     reason="keras.distribution places arrays on JAX only: the multi-device "
     "subprocesses run once, in the JAX run of the suite",
 )
-
-
-EXAMPLE = [
-    "examples/distributed_training.py",
-    "--strategy=model",
-    "--mesh=2x2",
-    "--steps=2",
-    "--batch-size=4",
-    "--embedding-dim=16",
-    "--num-heads=4",
-    "--intermediate-dim=16",
-]
 
 
 def start(args, **env):
@@ -410,7 +466,7 @@ def results_in(out):
 
 @pytest.fixture(scope="module")
 def jax_processes(tmp_path_factory):
-    """The 8-device checks and the example, started together so they overlap."""
+    """The 8-device checks, started when the first of their tests needs them."""
     out = tmp_path_factory.mktemp("jax_8_devices")
     flags = os.environ.get("XLA_FLAGS", "")
     checks = start(
@@ -418,12 +474,10 @@ def jax_processes(tmp_path_factory):
         KERAS_BACKEND="jax",
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8",
     )
-    example = start(EXAMPLE, KERAS_BACKEND=None)  # It picks JAX itself.
-    yield {"out": out, "checks": checks, "example": example}
-    for process in (checks, example):
-        if process.poll() is None:  # Its tests were deselected.
-            process.kill()
-            process.communicate()
+    yield {"out": out, "checks": checks}
+    if checks.poll() is None:  # Its tests were deselected.
+        checks.kill()
+        checks.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -515,14 +569,6 @@ def test_mirrored_strategy_on_2_devices_trains_like_one_device(tmp_path):
     assert results["mirrored"]["replicas"] == 2
     assert "Mirrored" in results["mirrored"]["variable_type"]
     assert_same_training(results, arrays, "mirrored")
-
-
-@JAX_ONLY
-def test_distributed_training_example_runs(jax_processes):
-    log = finish(jax_processes["example"])
-    assert "ModelParallel device_mesh=<DeviceMesh shape=(2, 2)" in log
-    assert "P(None, 'model', None)" in log  # The query kernel, sharded.
-    assert "held-out loss" in log
 
 
 # The subprocesses: `python -m tests.test_distribution jax|tensorflow OUT`.
