@@ -20,13 +20,15 @@ import sys
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 
 import keras_attn  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from translation import RESULTS, SCHEDULE_STEPS, VOCABULARY, demo_defaults, load_demo  # noqa: E402
+
+from examples.distributed_training import bytes_on_a_device  # noqa: E402
 
 MESH = (2, 4)
 
@@ -54,16 +56,6 @@ def distributions(reference):
     }
 
 
-def bytes_on_first_device(variables):
-    device = jax.devices()[0]
-    return sum(
-        shard.data.nbytes
-        for variable in variables
-        for shard in variable.value.addressable_shards
-        if shard.device == device
-    )
-
-
 def measure(demo, args, distribution):
     keras.distribution.set_distribution(distribution)
     try:
@@ -71,8 +63,8 @@ def measure(demo, args, distribution):
         demo.compile_model(model, args, SCHEDULE_STEPS)
         model.optimizer.build(model.trainable_variables)
         return (
-            bytes_on_first_device(model.weights),
-            bytes_on_first_device(model.optimizer.variables),
+            sum(bytes_on_a_device(model.weights).values()),
+            sum(bytes_on_a_device(model.optimizer.variables).values()),
         )
     finally:
         keras.distribution.set_distribution(None)

@@ -57,6 +57,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -152,7 +153,9 @@ def cluster_environment(backend, processes):
 
 
 def launch(args):
-    """Start `--processes` copies of this script; stop them all on a failure."""
+    """Start `--processes` copies of this script; stop them all on a failure,
+    a timeout or a SIGTERM."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("Terminated."))
     children = []
     try:
         for env in cluster_environment(args.backend, args.processes):
@@ -241,7 +244,8 @@ def global_batch(args, step):
 
 
 def local_share(arrays, shard, shards):
-    """Rows [shard * B / shards, (shard + 1) * B / shards) of each array."""
+    """Rows [shard * B / shards, (shard + 1) * B / shards) of each array
+    (`train` checks that `shards` divides B)."""
     size = arrays[1].shape[0] // shards
     return keras.tree.map_structure(
         lambda a: a[shard * size : (shard + 1) * size], arrays
@@ -268,16 +272,13 @@ class JaxEngine:
             keras.distribution.initialize()  # Reads KERAS_DISTRIBUTION_*.
         self.distribution = self.make_distribution(args)
         keras.distribution.set_distribution(self.distribution)
-        replicas = self.distribution.num_model_replicas
-        if args.batch_size % replicas:
-            raise SystemExit(
-                f"--batch-size {args.batch_size} must be divisible by the "
-                f"{replicas} data-parallel replicas."
-            )
+        self.replicas = self.distribution.num_model_replicas
         # Processes that hold the same batch rows (a model axis across
         # processes) feed the same share.
-        self.shards = min(replicas, self.distribution.num_processes)
+        self.shards = min(self.replicas, self.distribution.num_processes)
         self.shard = self.distribution.data_shard_id
+        self.processes = jax.process_count()
+        self.devices = len(keras.distribution.list_devices())
         self.is_chief = jax.process_index() == 0
 
     @staticmethod
@@ -293,9 +294,12 @@ class JaxEngine:
                 f"{math.prod(args.mesh)} devices; there are {len(devices)}."
             )
         mesh = keras.distribution.DeviceMesh(args.mesh, ["batch", "model"], devices)
-        layout_map = keras_attn.distribution.get_layout_map(
-            mesh, shard_weights_over_batch=args.strategy == "fsdp"
-        )
+        if args.strategy == "model":  # Rules for keras_attn weights, by name.
+            layout_map = keras_attn.distribution.get_layout_map(mesh)
+        else:  # Exact rules for every weight, the Dense head's too.
+            layout_map = keras_attn.distribution.get_layout_map(
+                mesh, model=build_model(args), shard_weights_over_batch=True
+            )
         return keras.distribution.ModelParallel(
             layout_map=layout_map, batch_dim_name="batch", auto_shard_dataset=False
         )
@@ -344,24 +348,31 @@ class JaxEngine:
         return f"{self.distribution}, {len(keras.distribution.list_devices())} devices"
 
     def bytes_on_a_device(self):
-        """Bytes of each weight and optimizer variable on this process's first
-        device: what sharding leaves each device to hold."""
-        device = jax.local_devices()[0]
-        return {
-            variable.path: sum(
-                shard.data.nbytes
-                for shard in variable.value.addressable_shards
-                if shard.device == device
-            )
-            for variable in self.model.weights + self.model.optimizer.variables
-        }
+        return bytes_on_a_device(self.model.weights + self.model.optimizer.variables)
+
+
+def bytes_on_a_device(variables):
+    """Bytes of each JAX variable on this process's first device: what
+    sharding leaves each device to hold."""
+    import jax
+
+    device = jax.local_devices()[0]
+    return {
+        variable.path: sum(
+            shard.data.nbytes
+            for shard in variable.value.addressable_shards
+            if shard.device == device
+        )
+        for variable in variables
+    }
 
 
 # ---------------------------------------------------------------- TensorFlow
 
 
 class TensorFlowEngine:
-    """`tf.distribute.MultiWorkerMirroredStrategy`, one replica per process.
+    """`tf.distribute.MultiWorkerMirroredStrategy`: one process per machine,
+    each with its local devices as replicas.
 
     A custom step: Keras 3.15's `fit` fails under this strategy for any model
     (keras-team/keras#20585). Keras' optimizer sums the replicas' gradients
@@ -373,23 +384,33 @@ class TensorFlowEngine:
         import tensorflow as tf
 
         # Before any TensorFlow op: collectives are configured at start-up.
-        if CLUSTER_VARIABLES["tensorflow"] in os.environ:
+        config = json.loads(os.environ.get(CLUSTER_VARIABLES["tensorflow"], "{}"))
+        if config:
             self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
         else:
             self.strategy = tf.distribute.get_strategy()  # One process.
-        self.shards = self.strategy.num_replicas_in_sync
-        self.shard = self.strategy.cluster_resolver.task_id if self.shards > 1 else 0
+        # Tasks in replica order: a chief (if any), then the workers.
+        cluster = config.get("cluster", {})
+        tasks = [("chief", i) for i in range(len(cluster.get("chief", [])))]
+        tasks += [("worker", i) for i in range(len(cluster.get("worker", [])))]
+        task = config.get("task", {})
+        self.shard = tasks.index((task["type"], task["index"])) if tasks else 0
+        self.shards = self.processes = max(1, len(tasks))
+        self.replicas = self.strategy.num_replicas_in_sync
+        self.devices = self.replicas
         self.is_chief = self.shard == 0
 
     def describe(self):
-        return f"{type(self.strategy).__name__}, {self.shards} replicas"
+        return f"{type(self.strategy).__name__}, {self.replicas} replicas"
 
     def build(self, args):
         with self.strategy.scope():
             self.model = build_model(args)
             self.optimizer = keras.optimizers.Adam(args.learning_rate)
             self.optimizer.build(self.model.trainable_variables)
-        self.loss = token_cross_entropy("sum")
+            self.loss = token_cross_entropy("sum")
+            # Not for `fit`: so that `save` keeps the optimizer's state.
+            self.model.compile(optimizer=self.optimizer, loss=self.loss)
         self.tokens = args.batch_size * args.length  # Of the global batch.
         self.train_step = tf.function(self.replicated_step)
 
@@ -407,10 +428,14 @@ class TensorFlowEngine:
         return self.strategy.reduce("SUM", losses, axis=None)
 
     def step(self, inputs, labels):
-        inputs, labels = self.strategy.experimental_distribute_values_from_function(
-            lambda context: (inputs, labels)  # One replica: this process's rows.
-        )
-        return float(self.train_step(inputs, labels))
+        local = self.replicas // self.shards  # This process's replicas.
+
+        def rows_of(context):  # Each local replica, its part of the rows.
+            replica = context.replica_id_in_sync_group - self.shard * local
+            return local_share((inputs, labels), replica, local)
+
+        distributed = self.strategy.experimental_distribute_values_from_function
+        return float(self.train_step(*distributed(rows_of)))
 
     def save(self, path):
         if self.is_chief:  # `.keras` saving reads local values: no collective.
@@ -430,6 +455,7 @@ class TorchEngine:
 
         self.strategy = args.strategy
         self.shards = int(os.environ.get("WORLD_SIZE", 1))
+        self.replicas = self.processes = self.devices = self.shards
         self.shard = int(os.environ.get("RANK", 0))
         self.is_chief = self.shard == 0
         if self.shards > 1:
@@ -460,11 +486,15 @@ class TorchEngine:
         )
 
     def step(self, inputs, labels):
-        logits = self.network([torch.from_numpy(x) for x in inputs], training=True)
+        inputs, labels = keras.tree.map_structure(
+            keras.ops.convert_to_tensor,
+            (inputs, labels),  # On Keras' device.
+        )
+        logits = self.network(list(inputs), training=True)
         # The mean over this process's tokens: averaged over equal shares,
         # the gradient of the global mean.
         loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), torch.from_numpy(labels).long().flatten()
+            logits.flatten(0, 1), labels.long().flatten()
         )
         self.optimizer.zero_grad()
         loss.backward()
@@ -540,10 +570,15 @@ def train(args):
         keras.config.set_floatx("float64")
     keras.config.set_dtype_policy(args.dtype)
     engine = ENGINES[args.backend](args)
+    if args.batch_size % engine.replicas:
+        raise SystemExit(
+            f"--batch-size must be divisible by the {engine.replicas} data-parallel "
+            f"replicas. Received: --batch-size {args.batch_size}."
+        )
     keras.utils.set_random_seed(args.seed)  # The same weights in every process.
     engine.build(args)
     if engine.is_chief:
-        print(f"{args.backend}, {args.processes} processes: {engine.describe()}")
+        print(f"{args.backend}, {engine.processes} processes: {engine.describe()}")
     losses = []
     for step in range(args.steps):
         inputs, labels = local_share(
@@ -555,7 +590,11 @@ def train(args):
     os.makedirs(args.output, exist_ok=True)
     engine.save(os.path.join(args.output, "model.keras"))
     if engine.is_chief:
-        results = {"losses": losses, "processes": args.processes}
+        results = {
+            "losses": losses,
+            "processes": engine.processes,
+            "devices": engine.devices,
+        }
         if args.backend == "jax":
             results["bytes_on_a_device"] = engine.bytes_on_a_device()
         with open(os.path.join(args.output, "results.json"), "w") as file:

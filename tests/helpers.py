@@ -3,6 +3,9 @@ the float64 references, and small makers of inputs."""
 
 import inspect
 import os
+import signal
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -500,3 +503,42 @@ def counter_uniform_reference(seed, rows, step):
         x = lowbias32(np.uint32(step) ^ (np.uint32(seed) * golden))
         x = lowbias32(x ^ np.asarray(rows).astype(np.uint32))
     return (x >> np.uint32(8)).astype(np.float64) / 2**24
+
+
+def start_process(args, env, cwd):
+    """`python ARGS` in its own process group (so that everything it starts
+    can be stopped together), its output captured."""
+    return subprocess.Popen(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        env={k: v for k, v in env.items() if v is not None},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def stop_process(process):
+    """Kill a process started by `start_process` and everything it started."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.communicate()
+
+
+def finish_process(process, timeout):
+    """Wait at most `timeout` seconds; its output, after checking that it
+    succeeded. On a timeout or a failure, its whole group is killed."""
+    try:
+        log, _ = process.communicate(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        stop_process(process)
+        raise AssertionError(
+            f"Timed out after {timeout:.0f} s: {process.args}"
+        ) from None
+    if process.returncode:
+        stop_process(process)  # Whatever it started and left running.
+    assert process.returncode == 0, log[-5000:]
+    return log

@@ -14,7 +14,6 @@ Each writes its numbers to OUT once per session; the tests check them.
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 
 import keras_attn
 from keras_attn.distribution import get_layout_map
-from tests.helpers import BACKEND
+from tests.helpers import BACKEND, finish_process, start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, WIDTH, HEADS, INTERMEDIATE = 13, 16, 4, 24
@@ -440,24 +439,12 @@ JAX_ONLY = pytest.mark.skipif(
 
 def start(args, **env):
     """A Python subprocess in the repository root, on CPU devices only."""
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
-    environment.update(env)
-    environment = {k: v for k, v in environment.items() if v is not None}
-    return subprocess.Popen(
-        [sys.executable, *map(str, args)],
-        cwd=ROOT,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    cpu_only = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
+    return start_process(args, {**os.environ, **cpu_only, **env}, cwd=ROOT)
 
 
 def finish(process):
-    """Wait for `process`; its output, after checking that it succeeded."""
-    log, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, log[-5000:]
-    return log
+    return finish_process(process, timeout=600)
 
 
 def results_in(out):
@@ -476,8 +463,7 @@ def jax_processes(tmp_path_factory):
     )
     yield {"out": out, "checks": checks}
     if checks.poll() is None:  # Its tests were deselected.
-        checks.kill()
-        checks.communicate()
+        stop_process(checks)
 
 
 @pytest.fixture(scope="module")
