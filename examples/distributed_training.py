@@ -311,7 +311,6 @@ class JaxEngine:
             loss=token_cross_entropy("sum_over_batch_size"),
         )
         self.model.optimizer.build(self.model.trainable_variables)
-        return self.model
 
     def step(self, inputs, labels):
         # This process's rows: Keras assembles the global batch from them.

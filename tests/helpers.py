@@ -505,9 +505,11 @@ def counter_uniform_reference(seed, rows, step):
     return (x >> np.uint32(8)).astype(np.float64) / 2**24
 
 
-def start_process(args, env, cwd):
-    """`python ARGS` in its own process group (so that everything it starts
-    can be stopped together), its output captured."""
+def start_process(args, cwd, **env):
+    """`python ARGS` on CPU devices only, in its own process group (so that
+    everything it starts can be stopped together), its output captured. `env`
+    changes this process's environment; a `None` removes a variable."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", **env}
     return subprocess.Popen(
         [sys.executable, *map(str, args)],
         cwd=cwd,
