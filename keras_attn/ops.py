@@ -325,8 +325,21 @@ def _zero_empty_rows(output, probs, has_key):
     return output, probs
 
 
-def _uses_fused_kernel(query, value, flash_attention, dropout, scores, soft_cap):
-    """The dispatcher: `keras.ops.dot_product_attention` (fused) or the explicit path.
+# The explicit path goes in chunks of query rows from `_CHUNKED_FROM` logits
+# per batch row (`H * T * S`, 2048 tokens for 8 heads), each chunk of about
+# `_CHUNK_LOGITS` logits (at least `_MIN_CHUNK_ROWS` rows), recomputed in the
+# backward pass (`benchmarks/long_sequence.py`). 2**23 float32 logits are
+# 32 MiB per batch row: from that size glibc's malloc always maps and unmaps
+# the memory itself; smaller chunks left the freed memory of every chunk
+# resident on TensorFlow and PyTorch (RSS growing with the chunk count).
+_CHUNKED_FROM = 2**25
+_CHUNK_LOGITS = 2**23
+_MIN_CHUNK_ROWS = 16
+
+
+def _choose_kernel(query, key, value, mask, bias, options):
+    """The dispatcher: `"fused"` (`keras.ops.dot_product_attention`), or the
+    explicit path, `"materialized"` or `"chunked"`.
 
     The rules, in order. Correctness limits first: where `flash_attention=True`
     asks for what they rule out, it raises rather than falling back.
@@ -341,31 +354,71 @@ def _uses_fused_kernel(query, value, flash_attention, dropout, scores, soft_cap)
     4. TensorFlow: explicit. Keras has no fused TensorFlow kernel, and its op
        fails for one key/value head and forms half-precision logits (which
        overflow float16 to NaN).
-    5. Otherwise: fused, heads-major caches too (transposed first).
+    5. JAX on a CPU, with at least `_CHUNKED_FROM` logits per batch row:
+       explicit, in chunks. XLA's CPU attention materializes the logits and
+       keeps them for the gradient (memory rule: `benchmarks/long_sequence.py`).
+    6. Otherwise: fused, heads-major caches too (transposed first).
+
+    The explicit path materializes the weights, unless it may go in chunks:
+    no dropout, no returned weights, static lengths, and at least
+    `_CHUNKED_FROM` logits per batch row (`H * T * S`).
 
     No speed rule: none measured wins by 10%. Reading a heads-major cache in
     place in a decoding step was one; `benchmarks/dispatch.py` finds it level
     with the fused kernel on JAX and slower on PyTorch.
     """
+    flash_attention = options["flash_attention"]
     reasons = {
-        "dropout on the attention weights": dropout is not None,
-        "returning the attention weights": scores,
+        "dropout on the attention weights": options["dropout"] is not None,
+        "returning the attention weights": options["return_scores"],
         "values of another width than the keys": _differ(
             value.shape[-1], query.shape[-1]
         ),
-        "soft-capped logits": soft_cap is not None,
+        "soft-capped logits": options["logit_soft_cap"] is not None,
         "float64 inputs": keras.backend.standardize_dtype(query.dtype) == "float64",
     }
     needs_explicit = [reason for reason, applies in reasons.items() if applies]
-    if flash_attention is False or (needs_explicit and flash_attention is None):
-        return False
-    if needs_explicit:
+    if needs_explicit and flash_attention:
         raise ValueError(
             "`flash_attention=True` needs the fused flash kernel, which cannot "
             f"compute attention with {' or '.join(needs_explicit)}. Pass "
             "`flash_attention=None` (fused where possible) or `False`."
         )
-    return bool(flash_attention) or keras.config.backend() != "tensorflow"
+    chunks = _rows_per_chunk(query, key, mask, bias, options)
+    if flash_attention:
+        return "fused"
+    if flash_attention is None and not needs_explicit:
+        backend = keras.config.backend()
+        if backend != "tensorflow" and not (backend == "jax" and chunks and _on_cpu()):
+            return "fused"
+    return "chunked" if chunks else "materialized"
+
+
+def _rows_per_chunk(query, key, mask, bias, options):
+    """Query rows per chunk of the explicit path, or `None` to materialize."""
+    if options["dropout"] is not None or options["return_scores"]:
+        return None
+    length, heads = query.shape[1], query.shape[2]
+    key_length = key.shape[_key_axis(options)]
+    broadcast = [x.shape[2:] for x in (mask, bias) if x is not None]
+    if not all(isinstance(n, int) for n in (length, heads, key_length)) or any(
+        None in shape for shape in broadcast
+    ):
+        return None
+    if heads * length * key_length < _CHUNKED_FROM:
+        return None
+    return min(length, max(_MIN_CHUNK_ROWS, _CHUNK_LOGITS // (heads * key_length)))
+
+
+_PLATFORM = {}
+
+
+def _on_cpu():
+    """Whether Keras runs on a CPU (asked once: the backend is fixed per process)."""
+    if "cpu" not in _PLATFORM:
+        device = keras.distribution.list_devices()[0]
+        _PLATFORM["cpu"] = device.split(":")[0].lower() == "cpu"
+    return _PLATFORM["cpu"]
 
 
 def _differ(a, b):
@@ -435,6 +488,108 @@ def _explicit_attention(query, key, value, mask, bias, dropout, heads_major, sof
         )
     output = ops.einsum(combine_equation, weights, value)
     return ops.reshape(output, (batch, query_length, num_heads, -1)), probs
+
+
+def _explicit_rows(query, key, value, mask, bias, causal_offset, options):
+    """The explicit path for query rows at `causal_offset` (`None`: not causal).
+
+    Returns `(output (B, T, H, Dv), weights (B, H, T, S))`; rows whose mask
+    allows no key give zeros.
+    """
+    if causal_offset is not None:  # folded in, so that empty rows are found
+        length, key_length = ops.shape(query)[1], ops.shape(key)[_key_axis(options)]
+        mask = merge_attention_masks(
+            mask, causal_mask(length, key_length, query_offset=causal_offset)
+        )
+    has_key = None
+    if mask is not None:
+        mask, has_key = _attends_to_something(mask)
+    output, probs = _explicit_attention(
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        options["dropout"],
+        options["heads_major"],
+        options["logit_soft_cap"],
+    )
+    return _zero_empty_rows(output, probs, has_key)
+
+
+def _key_axis(options):
+    return 2 if options["heads_major"] else 1
+
+
+def _chunked_attention(query, key, value, mask, bias, is_causal, options):
+    """The explicit path in chunks of query rows, one chunk at a time
+    (`ops.map`), each recomputed in the backward pass (`keras.remat`): memory
+    linear in the length.
+
+    Every chunk sees all its keys, so its softmax is the materialized one, row
+    for row. The rows are padded to whole chunks, and the padding cut off.
+    """
+    length = query.shape[1]
+    rows = _rows_per_chunk(query, key, mask, bias, options)
+    count = -(-length // rows)
+    rows = -(-length // count)  # the fewest padded rows for `count` chunks
+    chunked = {"query": _in_chunks(query, 1, count, rows)}  # (N, B, C, H, D)
+    for name, x in (("mask", mask), ("bias", bias)):
+        if x is not None and x.shape[2] != 1:  # per query row: chunked too
+            chunked[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
+    if is_causal:  # each chunk's first row
+        chunked["offset"] = ops.arange(0, count * rows, rows, dtype="int32")
+
+    def one_chunk(chunk):
+        given = {"mask": mask, "bias": bias, "offset": None, **chunk}
+
+        def attend(query, key, value, *bias):
+            # What may need a gradient is an argument (TF's `recompute_grad`
+            # differentiates those only); boolean and integer inputs are not
+            # (it cannot).
+            bias = bias[0] if bias else None
+            return _explicit_rows(
+                query, key, value, given["mask"], bias, given["offset"], options
+            )[0]
+
+        extra = [] if given["bias"] is None else [given["bias"]]
+        return keras.remat(attend)(given["query"], key, value, *extra)
+
+    output = ops.map(one_chunk, chunked)  # (N, B, C, H, Dv)
+    output = ops.reshape(
+        ops.moveaxis(output, 0, 1), (-1, count * rows, *output.shape[3:])
+    )
+    return output[:, :length]
+
+
+def _in_chunks(x, axis, count, rows):
+    """`x` with `axis` padded to `count * rows` and split: `(count, ..., rows, ...)`."""
+    padding = [(0, 0)] * len(x.shape)
+    padding[axis] = (0, count * rows - x.shape[axis])
+    x = ops.pad(
+        x, padding, constant_values=keras.backend.standardize_dtype(x.dtype) == "bool"
+    )
+    shape = list(ops.shape(x))
+    x = ops.reshape(x, shape[:axis] + [count, rows] + shape[axis + 1 :])
+    return ops.moveaxis(x, axis, 0)
+
+
+def _fused_path(query, key, value, mask, bias, is_causal, options):
+    """The fused kernel, with a causal mask folded into a padding mask (so
+    that rows left empty by both are found, and give zeros)."""
+    if is_causal and mask is not None:
+        length, key_length = ops.shape(query)[1], ops.shape(key)[_key_axis(options)]
+        mask = merge_attention_masks(mask, causal_mask(length, key_length))
+        is_causal = False
+    has_key = None
+    if mask is not None:
+        mask, has_key = _attends_to_something(mask)
+    if options["heads_major"]:  # the fused kernels take `(B, S, K, D)`
+        key, value = (ops.transpose(x, (0, 2, 1, 3)) for x in (key, value))
+    output = _fused_attention(
+        query, key, value, mask, bias, is_causal, options["flash_attention"]
+    )
+    return _zero_empty_rows(output, None, has_key)[0]
 
 
 def _fused_attention(query, key, value, mask, bias, is_causal, flash_attention):
@@ -526,35 +681,27 @@ def dot_product_attention(
         raise ValueError(
             f"`logit_soft_cap` must be > 0. Received: logit_soft_cap={logit_soft_cap}."
         )
+    options = {
+        "flash_attention": flash_attention,
+        "dropout": dropout,
+        "return_scores": return_scores,
+        "heads_major": heads_major,
+        "logit_soft_cap": logit_soft_cap,
+    }
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    # Scaled once, before either kernel: both then see the same scaled query.
+    # Scaled once, before any kernel: each then sees the same scaled query.
     dtype = keras.backend.standardize_dtype(query.dtype)
     query = ops.multiply(query, ops.convert_to_tensor(scale, dtype=dtype))
-    query_length = ops.shape(query)[1]
-    key_length = ops.shape(key)[2 if heads_major else 1]
-    fused = _uses_fused_kernel(
-        query, value, flash_attention, dropout, return_scores, logit_soft_cap
-    )
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
-    if is_causal and (mask is not None or not fused):
-        # Folded in, so that rows left empty by both masks are found.
-        mask = merge_attention_masks(mask, causal_mask(query_length, key_length))
-        is_causal = False
-    has_key = None
-    if mask is not None:
-        mask, has_key = _attends_to_something(mask)
-    if fused:
-        if heads_major:  # the fused kernels take `(B, S, K, D)`
-            key, value = (ops.transpose(x, (0, 2, 1, 3)) for x in (key, value))
-        output = _fused_attention(
-            query, key, value, mask, bias, is_causal, flash_attention
-        )
-        probs = None
-    else:
-        output, probs = _explicit_attention(
-            query, key, value, mask, bias, dropout, heads_major, logit_soft_cap
-        )
-    output, probs = _zero_empty_rows(output, probs, has_key)
+    kernel = _choose_kernel(query, key, value, mask, bias, options)
+    if kernel == "fused":
+        return _fused_path(query, key, value, mask, bias, is_causal, options)
+    if kernel == "chunked":
+        return _chunked_attention(query, key, value, mask, bias, is_causal, options)
+    causal_offset = 0 if is_causal else None
+    output, probs = _explicit_rows(
+        query, key, value, mask, bias, causal_offset, options
+    )
     return (output, probs) if return_scores else output

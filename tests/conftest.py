@@ -22,3 +22,29 @@ def fused_calls(monkeypatch):
 
     monkeypatch.setattr(keras.ops, "dot_product_attention", spy)
     return calls
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """The explicit path goes in chunks of 4 query rows at any size; returns
+    `materialize()`, which turns chunking off again, and records the calls of
+    the chunked path in `.calls`."""
+    from keras_attn import ops as attn_ops
+
+    calls = []
+    original = attn_ops._chunked_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(tuple(query.shape))
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(attn_ops, "_chunked_attention", spy)
+    monkeypatch.setattr(attn_ops, "_CHUNKED_FROM", 1)
+    monkeypatch.setattr(attn_ops, "_CHUNK_LOGITS", 1)
+    monkeypatch.setattr(attn_ops, "_MIN_CHUNK_ROWS", 4)
+
+    def materialize():
+        monkeypatch.setattr(attn_ops, "_CHUNKED_FROM", float("inf"))
+
+    materialize.calls = calls
+    return materialize

@@ -333,6 +333,43 @@ def check_dtype_policy_map(layer_cls, init_kwargs, inputs, call_kwargs, tmp_path
 EPS32 = 2.0**-24
 
 
+def value_and_gradients(fn, *arrays):
+    """`fn(*arrays)` and the gradients of `sum(fn(*arrays) * c)` for a fixed
+    random `c`, as numpy arrays, with the backend's own autodiff."""
+    tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
+    cotangent = None
+
+    def loss(*xs):
+        nonlocal cotangent
+        output = fn(*xs)
+        if cotangent is None:
+            cotangent = keras.ops.convert_to_tensor(
+                random_floats(*output.shape, seed=99)
+            )
+        return keras.ops.sum(output * cotangent), output
+
+    if BACKEND == "jax":
+        import jax
+
+        (_, output), grads = jax.value_and_grad(
+            loss, argnums=tuple(range(len(tensors))), has_aux=True
+        )(*tensors)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(tensors)
+            total, output = loss(*tensors)
+        grads = tape.gradient(total, tensors)
+    else:
+        tensors = [x.clone().requires_grad_(True) for x in tensors]
+        total, output = loss(*tensors)
+        total.backward()
+        grads = [x.grad for x in tensors]
+    detach = getattr(output, "detach", lambda: output)  # torch
+    return to_numpy(detach()), [to_numpy(g) for g in grads]
+
+
 def dot_product_reference(query, key, value, mask=None, bias=None, soft_cap=None):
     """softmax(QK^T / sqrt(D) + bias) V in float64, the formula of
     `keras_attn.ops.dot_product_attention`.

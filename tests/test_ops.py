@@ -13,10 +13,12 @@ from tests.helpers import (
     BACKEND,
     EPS32,
     dot_product_reference,
+    has_accelerator,
     random_floats,
     reference_encoding,
     rotary_reference,
     to_numpy,
+    value_and_gradients,
 )
 
 
@@ -319,3 +321,138 @@ def test_float64_attention_is_computed_in_float64(fused_calls):
         output, dot_product_reference(q, k, v, mask)[0], atol=1e-12
     )
     assert not fused_calls
+
+
+CHUNK_CASES = {  # name: (query length, key length, is_causal, mask, bias, options)
+    "causal self-attention, padding, grouped heads": (11, 11, True, "keys", None, {}),
+    "a mask per row, a bias per row": (11, 11, False, "rows", "rows", {}),
+    "cross-attention, an ALiBi-like bias": (7, 9, False, None, "heads", {}),
+    "causal, rows left empty, soft cap": (
+        10,
+        10,
+        True,
+        "empty",
+        None,
+        {"logit_soft_cap": 2.0},
+    ),
+    "heads-major caches, causal, one key/value head": (
+        9,
+        9,
+        True,
+        None,
+        None,
+        {"heads_major": True},
+    ),
+}
+
+
+def chunk_case(name):
+    length, key_length, causal, mask, bias, options = CHUNK_CASES[name]
+    rng = np.random.default_rng(1)
+    kv_heads = 1 if options.get("heads_major") else 2
+    q = random_floats(2, length, 4, 8, seed=1)
+    k, v = (random_floats(2, key_length, kv_heads, 8, seed=s) for s in (2, 3))
+    masks = {
+        None: None,
+        "keys": rng.random((2, 1, 1, key_length)) > 0.3,
+        "rows": rng.random((2, 1, length, key_length)) > 0.4,
+        "empty": np.arange(length)[None, None, :, None] % 3 > 0,  # (1, 1, T, 1)
+    }
+    biases = {
+        None: None,
+        "rows": random_floats(1, 4, length, key_length, seed=4),
+        "heads": random_floats(1, 4, 1, key_length, seed=5),
+    }
+    return q, k, v, masks[mask], biases[bias], causal, options
+
+
+@pytest.mark.parametrize("name", list(CHUNK_CASES))
+def test_chunked_attention_equals_the_materialized_path(small_chunks, name):
+    """Values and gradients (query, keys, values, bias), padded last chunk
+    included (lengths 7-11 in chunks of 4)."""
+    q, k, v, mask, bias, causal, options = chunk_case(name)
+    major = options.get("heads_major")
+    kk, vv = (np.transpose(x, (0, 2, 1, 3)) if major else x for x in (k, v))
+    inputs = [q, kk, vv] + ([] if bias is None else [bias])
+
+    def attend(q, k, v, *bias):
+        return attn_ops.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias[0] if bias else None,
+            is_causal=causal,
+            flash_attention=False,
+            **options,
+        )
+
+    chunked = value_and_gradients(attend, *inputs)
+    assert small_chunks.calls, "the chunked path did not run"
+    small_chunks()
+    materialized = value_and_gradients(attend, *inputs)
+    for ours, theirs in zip(
+        keras.tree.flatten(chunked), keras.tree.flatten(materialized), strict=True
+    ):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    full_mask = mask
+    if causal:
+        lower = np.tril(np.ones((q.shape[1], k.shape[1]), bool))
+        full_mask = lower if mask is None else mask & lower
+    expected, _ = dot_product_reference(
+        q, k, v, full_mask, bias, options.get("logit_soft_cap")
+    )
+    np.testing.assert_allclose(chunked[0], expected, atol=1e-5, rtol=1e-5)
+    if name.startswith("causal, rows left empty"):
+        np.testing.assert_array_equal(chunked[0][:, ::3], 0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({}, {"tensorflow": "chunked", "jax": "chunked", "torch": "fused"}),
+        ({"flash_attention": False}, "chunked"),
+        ({"return_scores": True}, "materialized"),
+        ({"dropout": lambda weights: weights}, "materialized"),
+    ],
+)
+def test_long_inputs_go_in_chunks_where_no_fused_kernel_runs(
+    small_chunks, fused_calls, kwargs, expected
+):
+    """On a CPU: XLA's CPU attention (JAX) materializes the logits, PyTorch's
+    CPU kernel does not, and TensorFlow has none."""
+    if isinstance(expected, dict):
+        expected = expected[BACKEND]
+        if BACKEND == "jax" and has_accelerator():
+            expected = "fused"
+    q = random_floats(1, 9, 2, 4)
+    attn_ops.dot_product_attention(q, q, q, **kwargs)
+    used = (
+        "fused" if fused_calls else "chunked" if small_chunks.calls else "materialized"
+    )
+    assert used == expected
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA reports a compiled step's memory")
+def test_chunked_gradient_memory_grows_linearly_in_the_length(monkeypatch):
+    """The compiled gradient's scratch memory: doubling the length doubles it
+    in chunks, and quadruples it materialized."""
+    import jax
+
+    monkeypatch.setattr(attn_ops, "_CHUNK_LOGITS", 2**16)
+
+    def scratch_bytes(length, chunked_from):
+        monkeypatch.setattr(attn_ops, "_CHUNKED_FROM", chunked_from)
+        q = np.ones((1, length, 4, 16), "float32")
+
+        def loss(q, k, v):
+            return keras.ops.sum(
+                attn_ops.dot_product_attention(q, k, v, flash_attention=False)
+            )
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
+        return step.memory_analysis().temp_size_in_bytes
+
+    chunked = scratch_bytes(2048, 1) / scratch_bytes(1024, 1)
+    materialized = scratch_bytes(2048, float("inf")) / scratch_bytes(1024, float("inf"))
+    assert chunked < 2.5 and materialized > 3.5, (chunked, materialized)
