@@ -44,9 +44,9 @@ RESULTS = os.path.join(HERE, "results")
 QUICK_RESULTS = os.path.join(tempfile.gettempdir(), "keras_attn_benchmarks_quick")
 BACKENDS = ("jax", "tensorflow", "torch")
 BENCHMARKS = ("encoder", "generation", "translation")
-ROUNDS_FLAG = {"encoder": "--rounds", "generation": "--calls"}
+ROUNDS_FLAG = {"encoder": "--calls", "generation": "--calls"}
 QUICK = {
-    "encoder": ["--rounds", "1", "--steps", "1", "--lengths", "128", "256"],
+    "encoder": ["--calls", "1", "--lengths", "128", "256", "--no-compiled"],
     "generation": ["--lengths", "32", "--calls", "1", "--naive-steps", "2"],
     "translation": ["--rounds", "1", "--steps", "1", "--batch-size", "32"],
 }
