@@ -249,9 +249,9 @@ def write_tables(backend, rows, first_calls, numbers, args):
     lines += ["", "First call (compiling included; the warm-up call), seconds:", ""]
     lines += ["| max_length | decoder | first call |", "|---:|---|---:|"]
     lines += [f"| {n} | {name} | {t:.2f} |" for n, name, t in first_calls]
-    lines += ["", "Sampling, 56 new tokens: a first call, then the median of "]
-    lines[-1] += f"{args.calls} calls, each with new temperature, top_k, top_p, "
-    lines[-1] += "seed and repetition penalty, and the traces those calls made:"
+    lines += ["", "Sampling, 56 new tokens, calls that each change temperature, "]
+    lines[-1] += "top_k, top_p, seed and repetition penalty: the first call, the "
+    lines[-1] += f"{describe(args.calls)} (the first), and the traces they made:"
     lines += ["", "| decoder | first call, s | new numbers, s | new traces |"]
     lines += ["|---|---:|---:|---:|"]
     lines += [f"| {n} | {a:.2f} | {b:.3f} | {t} |" for n, a, b, t in numbers]
