@@ -324,6 +324,7 @@ def plot(backend, timings, lengths, points, results=RESULTS):
             ax.set_yscale("log")
             ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
             ax.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         else:
             ax.set_ylim(bottom=0)
         ax.set_ylabel(title)
