@@ -10,22 +10,24 @@ the explicit path, which reads the cache in place, against the fused
 `keras.ops.dot_product_attention`, which takes `(B, S, K, D)` and so needs a
 transposed copy of the whole cache at every step. One step of batch 4, 8
 heads of 64, a cache of S positions (half of them written), run as `generate`
-runs it (jitted on JAX, eager on PyTorch): medians of interleaved rounds after
-warm-up. TensorFlow is not measured: every TensorFlow attention is explicit
-(Keras has no fused TensorFlow kernel).
+runs it (jitted on JAX, eager on PyTorch): the median of `--calls` calls after
+a warm-up call, the two interleaved (`benchmarks/timing.py`). TensorFlow is
+not measured: every TensorFlow attention is explicit (Keras has no fused
+TensorFlow kernel).
 
 Results go to `benchmarks/results/dispatch_<backend>.md` (or `--results DIR`).
 """
 
 import argparse
 import os
-import statistics
-import time
+import sys
 
 import keras
 import numpy as np
 
-from keras_attn import ops as attn_ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.timing import describe, time_calls  # noqa: E402
+from keras_attn import ops as attn_ops  # noqa: E402
 
 B, H, D = 4, 8, 64
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -60,32 +62,25 @@ def step_functions(length):
     )
 
 
-def measure(length, rounds, steps):
+def measure(length, calls):
     explicit, fused = step_functions(length)
     np.testing.assert_allclose(explicit(), fused(), atol=1e-5)  # same numbers
-    times = {"explicit": [], "fused": []}
-    for function in (explicit, fused):  # warm-up: compile
-        function()
-    for _ in range(rounds):
-        for name, function in (("explicit", explicit), ("fused", fused)):
-            start = time.perf_counter()
-            for _ in range(steps):
-                function()
-            times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+    timings = time_calls({"explicit": explicit, "fused": fused}, calls)
+    return {name: timing.median for name, timing in timings.items()}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=100, help="Timed calls.")
     parser.add_argument("--results", default=RESULTS, help="Output folder.")
     args = parser.parse_args(argv)
     backend = keras.config.backend()
     lines = [
         f"### A decoding step on a heads-major cache, `KERAS_BACKEND={backend}` "
         f"(batch {B}, {H} heads of {D}, one query)",
+        "",
+        f"Each point: {describe(args.calls)}, the two interleaved.",
         "",
         "| cache length | explicit, in place (ms) | fused, transposed copy (ms) "
         "| fused / explicit |",
@@ -95,7 +90,7 @@ def main(argv=None):
         lines.append("| - | every TensorFlow attention is explicit | - | - |")
     else:
         for length in args.lengths:
-            t = measure(length, args.rounds, args.steps)
+            t = measure(length, args.calls)
             lines.append(
                 f"| {length} | {t['explicit'] * 1e3:.3f} | {t['fused'] * 1e3:.3f} "
                 f"| {t['fused'] / t['explicit']:.2f}x |"

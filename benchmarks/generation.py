@@ -22,24 +22,26 @@ feed-forward 128, vocabulary 1000, batch 2, an 8-token prompt), greedy:
   with their `self_attention_cache`, compiled the same way as ours.
 
 Tokens/s are per batch: new positions per second, each filled for every row.
-Every row is a median over `--repeats` interleaved rounds after a warm-up
-call, whose time (compiling) is reported apart, with the time and the traces
-of a call that only changes the sampling numbers. The tables are markdown,
-written to `benchmarks/results/generation_<backend>.md` (or `--results DIR`).
+Every row is the median of `--calls` calls after a warm-up call (the decoders'
+calls interleaved; `benchmarks/timing.py`), whose time (compiling) is reported
+apart, with the time and the traces of calls that only change the sampling
+numbers. The tables are markdown, written to
+`benchmarks/results/generation_<backend>.md` (or `--results DIR`).
 `python benchmarks/run.py` runs this with the other benchmarks.
 """
 
 import argparse
 import os
-import statistics
-import time
+import sys
 
 import keras
 import numpy as np
 from keras import ops
 
-import keras_attn
-from keras_attn.generation import generate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import keras_attn  # noqa: E402
+from benchmarks.timing import describe, time_call, time_calls  # noqa: E402
+from keras_attn.generation import generate  # noqa: E402
 
 VOCAB, WIDTH, HEADS, FFN, LAYERS, BATCH, PROMPT = 1000, 64, 4, 128, 2, 2, 8
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -74,10 +76,9 @@ class KerasHubGreedy(keras.Model):
         self.compile(jit_compile=keras.config.backend() != "torch")
 
     def step(self, ids, index, caches):
-        positions = self.embedding.position_embedding(
-            self.embedding.token_embedding(ids), start_index=index
-        )
-        x = self.embedding.token_embedding(ids) + positions
+        # The embedding's own call, so Keras sees it built: an unbuilt layer
+        # makes every `predict_on_batch` run the whole model eagerly first.
+        x = self.embedding(ids, start_index=index)
         new_caches = []
         for block, cache in zip(self.blocks, caches, strict=True):
             x, cache = block(
@@ -116,12 +117,6 @@ def naive_step_function(model, length):
     return step
 
 
-def timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def ours(backend):
     """`generate` variants by row name: as a user calls it, and compiled on
     PyTorch."""
@@ -135,7 +130,7 @@ def main(argv=None):
     """Run the benchmark (`argv`: command-line flags); returns the markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=3, help="Timed calls a point.")
     parser.add_argument("--naive-steps", type=int, default=16)
     parser.add_argument("--no-keras-hub", action="store_true")
     parser.add_argument("--results", default=RESULTS, help="Output folder.")
@@ -160,9 +155,8 @@ def main(argv=None):
             + ", ".join(f"{k} {1 / v:,.0f} tok/s" for k, v in medians.items()),
             flush=True,
         )
-    return write_tables(
-        backend, rows, first_calls, new_numbers(model, prompt), args.results
-    )
+    numbers = new_numbers(model, prompt, args.calls)
+    return write_tables(backend, rows, first_calls, numbers, args)
 
 
 def time_length(model, prompt, length, args):
@@ -173,62 +167,75 @@ def time_length(model, prompt, length, args):
         name: (lambda kw=kw: generate(model, prompt, length, **kw))
         for name, kw in ours(keras.config.backend()).items()
     }
-    first = {name: timed(call) for name, call in calls.items()}  # warm-up
     buffer = np.zeros((BATCH, length), "int32")
     buffer[:, :PROMPT] = prompt
     naive = naive_step_function(model, length)
-    naive(buffer.copy(), PROMPT)
     steps = range(PROMPT, min(length, PROMPT + args.naive_steps))
     calls["naive"] = lambda: [naive(buffer.copy(), p) for p in steps]
     per_call = {name: new_positions for name in calls} | {"naive": len(steps)}
     if not args.no_keras_hub:
         hub = KerasHubGreedy(length)
         hub(prompt)  # builds the layers eagerly
-        hub.predict_on_batch(prompt)
         calls["keras-hub cached"] = lambda: hub.predict_on_batch(prompt)
         per_call["keras-hub cached"] = new_positions
-    times = {name: [] for name in calls}
-    for _ in range(args.repeats):
-        for name, call in calls.items():
-            times[name].append(timed(call) / per_call[name])
-    return {k: statistics.median(v) for k, v in times.items()}, first
+    timings = time_calls(calls, args.calls)
+    first = {name: timings[name].first for name in ours(keras.config.backend())}
+    return {k: t.median / per_call[k] for k, t in timings.items()}, first
 
 
-def new_numbers(model, prompt, length=64):
-    """Seconds and traces of a sampling call that only changes the numbers
-    (temperature, top_k, top_p, seed, repetition penalty), after a first one."""
+def sampling_numbers(call):
+    """The sampling numbers of the `call`-th call: all new on each call."""
+    if call == 0:
+        return dict(seed=1, top_k=5, repetition_penalty=1.1)
+    return dict(
+        seed=1 + call,
+        top_k=5 + 2 * call,
+        top_p=0.5 + 0.4 / call,
+        temperature=0.5 + 0.2 * call,
+        repetition_penalty=1.1 + 0.1 * call,
+    )
+
+
+def new_numbers(model, prompt, calls, length=64):
+    """Rows `(decoder, first s, median s, new traces)` of sampling calls that
+    only change the numbers (temperature, top_k, top_p, seed, repetition
+    penalty): the first call, then `calls` calls, each with new numbers."""
+    return [
+        (name, *sampling_timing(model, prompt, kw, calls, length - PROMPT))
+        for name, kw in ours(keras.config.backend()).items()
+    ]
+
+
+def sampling_timing(model, prompt, kw, calls, new_tokens):
+    count, traces = iter(range(calls + 1)), []
+
+    def call():
+        numbers = sampling_numbers(next(count))
+        generate(
+            model, prompt, method="sample", max_new_tokens=new_tokens, **numbers, **kw
+        )
+        traces.append(generator_traces(model))
+
+    timing = time_call(call, calls)
+    return timing.first, timing.median, traces[-1] - traces[0]
+
+
+def generator_traces(model):
+    """Traces so far of the generator `generate` made last for `model`."""
     from keras_attn import generation
 
-    results = []
-    for name, kw in ours(keras.config.backend()).items():
-        call = dict(method="sample", max_new_tokens=length - PROMPT, **kw)
-        first = timed(
-            lambda: generate(  # noqa: B023
-                model,
-                prompt,
-                seed=1,
-                top_k=5,
-                repetition_penalty=1.1,
-                **call,  # noqa: B023
-            )
-        )
-        generator = list(generation._GENERATORS[model].values())[-1]
-        traces = generator.traces
-        again = timed(
-            lambda: generate(  # noqa: B023
-                model, prompt, seed=2, top_k=9, top_p=0.8, temperature=0.7,
-                repetition_penalty=1.3, **call,  # noqa: B023
-            )
-        )  # fmt: skip
-        results.append((name, first, again, generator.traces - traces))
-    return results
+    return list(generation._GENERATORS[model].values())[-1].traces
 
 
-def write_tables(backend, rows, first_calls, numbers, results=RESULTS):
+def write_tables(backend, rows, first_calls, numbers, args):
     lines = [
         f"### Generation, `KERAS_BACKEND={backend}` "
         f"(batch {BATCH}, prompt {PROMPT}, {LAYERS} blocks, width {WIDTH}, "
         f"vocabulary {VOCAB}, greedy)",
+        "",
+        f"Each row: {describe(args.calls)} (a `generate` call; for the naive "
+        f"loop, {args.naive_steps} of its steps), the decoders' calls "
+        "interleaved, per new position.",
         "",
         "| max_length | decoder | tokens/s per batch | ms/token "
         "| time vs keras_attn cached |",
@@ -239,17 +246,18 @@ def write_tables(backend, rows, first_calls, numbers, results=RESULTS):
             f"| {length} | {name} | {1 / per_token:,.0f} | {per_token * 1e3:.3f} "
             f"| {ratio:.2f}x |"
         )
-    lines += ["", "First call (compiling included), seconds:", ""]
+    lines += ["", "First call (compiling included; the warm-up call), seconds:", ""]
     lines += ["| max_length | decoder | first call |", "|---:|---|---:|"]
     lines += [f"| {n} | {name} | {t:.2f} |" for n, name, t in first_calls]
-    lines += ["", "Sampling, 56 new tokens: a first call, then one with new "]
-    lines[-1] += "temperature, top_k, top_p, seed and repetition penalty:"
+    lines += ["", "Sampling, 56 new tokens, calls that each change temperature, "]
+    lines[-1] += "top_k, top_p, seed and repetition penalty: the first call, the "
+    lines[-1] += f"{describe(args.calls)} (the first), and the traces they made:"
     lines += ["", "| decoder | first call, s | new numbers, s | new traces |"]
     lines += ["|---|---:|---:|---:|"]
     lines += [f"| {n} | {a:.2f} | {b:.3f} | {t} |" for n, a, b, t in numbers]
     text = "\n".join(lines) + "\n"
-    os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, f"generation_{backend}.md"), "w") as f:
+    os.makedirs(args.results, exist_ok=True)
+    with open(os.path.join(args.results, f"generation_{backend}.md"), "w") as f:
         f.write(text)
     print(text)
     return text

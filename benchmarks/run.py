@@ -19,11 +19,13 @@ after the other):
    translation model against the same model on keras-hub layers.
 
 Each writes its own table to `benchmarks/results/`, and the three tables are
-concatenated into `benchmarks/results/summary_<backend>.md`. `--rounds N` sets
-the rounds (repeats) of all three. `--quick` is a smoke run of a minute or two
-per backend (one round, short sequences, batch 32 for the translation model);
-its numbers mean nothing, and its files go to a temporary folder (printed)
-unless `--results DIR` is given, so the real results are not overwritten.
+concatenated into `benchmarks/results/summary_<backend>.md`. Every point is
+the median of timed calls after warm-up (`benchmarks/timing.py`; the tables
+say how many); `--calls N` sets the timed calls of all three. `--quick` is a
+smoke run of a few minutes per backend (one timed call, short sequences, batch
+32 for the translation model, no compiled PyTorch step); its numbers mean
+nothing, and its files go to a temporary folder (printed) unless
+`--results DIR` is given, so the real results are not overwritten.
 
 The timings are wall-clock on the CPU (or whatever device the backend picks):
 run on an otherwise idle machine, and leave the thread settings (for example
@@ -36,6 +38,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,11 +47,10 @@ RESULTS = os.path.join(HERE, "results")
 QUICK_RESULTS = os.path.join(tempfile.gettempdir(), "keras_attn_benchmarks_quick")
 BACKENDS = ("jax", "tensorflow", "torch")
 BENCHMARKS = ("encoder", "generation", "translation")
-ROUNDS_FLAG = {"encoder": "--rounds", "generation": "--repeats"}
 QUICK = {
-    "encoder": ["--rounds", "1", "--steps", "1", "--lengths", "128", "256"],
-    "generation": ["--lengths", "32", "--repeats", "1", "--naive-steps", "2"],
-    "translation": ["--rounds", "1", "--steps", "1", "--batch-size", "32"],
+    "encoder": ["--calls", "1", "--lengths", "128", "256", "--no-compiled"],
+    "generation": ["--lengths", "32", "--calls", "1", "--naive-steps", "2"],
+    "translation": ["--calls", "1", "--batch-size", "32"],
 }
 
 
@@ -61,7 +63,7 @@ def parse_args(argv=None):
         help="Defaults to $KERAS_BACKEND, or jax.",
     )
     parser.add_argument(
-        "--rounds", type=int, help="Rounds (repeats) of every benchmark."
+        "--calls", type=int, help="Timed calls a point, in every benchmark."
     )
     parser.add_argument(
         "--quick", action="store_true", help="Smoke run: tiny repeats and lengths."
@@ -77,10 +79,10 @@ def parse_args(argv=None):
 
 
 def benchmark_argv(name, args):
-    """The flags `benchmarks/<name>.py` gets: quick ones, rounds, output."""
+    """The flags `benchmarks/<name>.py` gets: quick ones, calls, output."""
     argv = list(QUICK[name]) if args.quick else []
-    if args.rounds is not None:  # Later flags win in argparse.
-        argv += [ROUNDS_FLAG.get(name, "--rounds"), str(args.rounds)]
+    if args.calls is not None:  # Later flags win in argparse.
+        argv += ["--calls", str(args.calls)]
     return argv + ["--results", args.results]
 
 
@@ -114,6 +116,7 @@ def run_backend(args):
     for name in BENCHMARKS:
         argv = benchmark_argv(name, args)
         print(f"=== {name} ({args.backend}): {' '.join(argv)}", flush=True)
+        start = time.perf_counter()
         try:
             module = importlib.import_module(f"benchmarks.{name}")
             sections.append(module.main(argv))
@@ -122,6 +125,8 @@ def run_backend(args):
             traceback.print_exc()
             error = traceback.format_exc().strip().splitlines()[-1]
             sections.append(f"### {name}: failed\n\n    {error}\n")
+        seconds = time.perf_counter() - start
+        print(f"=== {name} ({args.backend}) took {seconds:.0f} s", flush=True)
     header = [
         f"## Benchmarks, `KERAS_BACKEND={args.backend}`",
         "",
@@ -140,8 +145,8 @@ def run_backend(args):
 
 def pass_through(args, backend):
     argv = ["--backend", backend, "--results", args.results]
-    if args.rounds is not None:
-        argv += ["--rounds", str(args.rounds)]
+    if args.calls is not None:
+        argv += ["--calls", str(args.calls)]
     return argv + (["--quick"] if args.quick else [])
 
 

@@ -9,7 +9,8 @@ head, RoPE, grouped-query attention, RMSNorm, SwiGLU; 4 decoders of width 128,
 to 256 and to 2048 tokens, once with full caches and once with
 `sliding_window=64` on every decoder, whose caches then roll: they hold 64
 positions however long the sequence. Reported: milliseconds per generated
-token (median of `--rounds` runs after a warm-up run that compiles), and the
+token (the median of `--calls` runs after a warm-up run that compiles, full
+and rolling caches interleaved; `benchmarks/timing.py`), and the
 self-attention cache memory at the last step, computed from the cache lengths
 `generate` allocates (`batch x 2 x kv_heads x positions x head_dim x 4 bytes`,
 summed over decoders: a full cache grows to the sequence length, a rolling one
@@ -22,14 +23,15 @@ Results go to `benchmarks/results/sliding_window_<backend>.md` (or
 
 import argparse
 import os
-import statistics
-import time
+import sys
 
 import keras
 import numpy as np
 
-import keras_attn
-from keras_attn.generation import generate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import keras_attn  # noqa: E402
+from benchmarks.timing import describe, time_calls  # noqa: E402
+from keras_attn.generation import generate  # noqa: E402
 
 VOCAB, WIDTH, HEADS, KV_HEADS, LAYERS, BATCH, PROMPT = 256, 128, 8, 2, 4, 2, 8
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -63,22 +65,24 @@ def cache_bytes(length, window):
     return LAYERS * BATCH * 2 * KV_HEADS * positions * head_dim * 4
 
 
-def measure(model, length, rounds):
+def measure(models, length, calls):
+    """Median seconds per generated token of each model, interleaved."""
     prompt = np.random.default_rng(0).integers(1, VOCAB, (BATCH, PROMPT))
-    generate(model, prompt, length)  # warm-up: compiles
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        generate(model, prompt, length)
-        times.append((time.perf_counter() - start) / (length - PROMPT))
-    return statistics.median(times)
+    timings = time_calls(
+        {
+            window: (lambda m=m: generate(m, prompt, length))
+            for window, m in models.items()
+        },
+        calls,
+    )
+    return {window: t.median / (length - PROMPT) for window, t in timings.items()}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=3, help="Timed runs a point.")
     parser.add_argument("--results", default=RESULTS, help="Output folder.")
     args = parser.parse_args(argv)
     backend = keras.config.backend()
@@ -86,13 +90,16 @@ def main(argv=None):
         f"### Greedy generation, `KERAS_BACKEND={backend}` (batch {BATCH}, "
         f"{LAYERS} decoders of width {WIDTH}, {KV_HEADS} key/value heads)",
         "",
+        f"ms per token: {describe(args.calls)} (a call: one `generate` to the "
+        "length), full and rolling caches interleaved.",
+        "",
         "| tokens | cache | ms per token | cache memory (KiB) |",
         "|---:|---|---:|---:|",
     ]
     models = {None: llama(None), args.window: llama(args.window)}
     for length in args.lengths:
-        for window, model in models.items():
-            ms = measure(model, length, args.rounds) * 1e3
+        for window, seconds in measure(models, length, args.calls).items():
+            ms = seconds * 1e3
             name = "full" if window is None else f"rolling, window {window}"
             kib = cache_bytes(length, window) / 1024
             lines.append(f"| {length} | {name} | {ms:.2f} | {kib:.0f} |")

@@ -20,10 +20,10 @@ padding masks work about as hard as in the demo.
 The peer, `keras-hub`, is the same model built from `keras_hub.layers`
 (`TransformerEncoder`, `TransformerDecoder`, `SinePositionEncoding` over a
 `keras.layers.Embedding` scaled by sqrt(128), explicit padding masks) and
-compiled by the same `compile_model`. After a warm-up (compilation), rounds
-interleave the two models; each cell is the median over `--rounds` of the mean
-over `--steps` steps. Tokens/s counts the non-padding source and target tokens
-of a batch (the target ones are the labels: word pieces and [END]).
+compiled by the same `compile_model`. Each cell is the median of `--calls`
+steps after two warm-up steps (compilation), the two models' steps interleaved
+(`benchmarks/timing.py`). Tokens/s counts the non-padding source and target
+tokens of a batch (the target ones are the labels: word pieces and [END]).
 
 The table is markdown, written to `benchmarks/results/translation_<backend>.md`
 (or `--results DIR`). `python benchmarks/run.py` runs this with the other
@@ -34,19 +34,21 @@ import argparse
 import importlib.util
 import math
 import os
-import statistics
 import sys
-import time
 
 import keras
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.timing import describe, time_calls  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEMO = os.path.join(ROOT, "examples", "translate_numbers.py")
 # What `make demo` trains on (its defaults): padded lengths and vocabulary sizes.
 BATCH, SOURCE_LENGTH, TARGET_LENGTH, VOCABULARY = 128, 14, 20, 76
 SCHEDULE_STEPS = 468  # The demo's 3 epochs of 156 batches; sets the LR schedule.
+WARMUP = 2  # Compile, and settle.
 
 
 def load_demo():
@@ -124,21 +126,6 @@ def keras_hub_model(args, source_vocabulary_size, target_vocabulary_size):
     return keras.Model([source, decoder_input], logits, name="keras_hub_translator")
 
 
-def measure(steps_by_name, rounds, steps):
-    """Warm up, then interleaved rounds; median seconds per step of each."""
-    for step in steps_by_name.values():  # Compile (and settle) every model.
-        step()
-        step()
-    times = {name: [] for name in steps_by_name}
-    for _ in range(rounds):
-        for name, step in steps_by_name.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def table(backend, args, demo_args, medians, parameters, tokens):
     source_tokens, target_tokens = tokens
     total = source_tokens + target_tokens
@@ -154,7 +141,8 @@ def table(backend, args, demo_args, medians, parameters, tokens):
         f"Per step: {source_tokens:,} source + {target_tokens:,} target "
         f"non-padding tokens (of {args.batch_size * args.source_length:,} + "
         f"{args.batch_size * args.target_length:,} positions); `train_on_batch`, "
-        "the demo's AdamW and loss.",
+        f"the demo's AdamW and loss; {describe(args.calls, WARMUP)}, the models' "
+        "steps interleaved.",
         "",
         "| model | parameters | train step ms | tokens/s (source + target, "
         "non-padding) | target tokens/s | time vs keras_attn |",
@@ -172,8 +160,7 @@ def table(backend, args, demo_args, medians, parameters, tokens):
 def main(argv=None):
     """Run the benchmark (`argv`: command-line flags); returns the markdown."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10, help="Timed steps.")
     parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--source-length", type=int, default=SOURCE_LENGTH)
     parser.add_argument("--target-length", type=int, default=TARGET_LENGTH)
@@ -205,7 +192,8 @@ def main(argv=None):
         steps_by_name[name] = lambda model=model: model.train_on_batch(
             inputs, labels, sample_weight=weights
         )
-    medians = measure(steps_by_name, args.rounds, args.steps)
+    timings = time_calls(steps_by_name, args.calls, WARMUP)
+    medians = {name: timing.median for name, timing in timings.items()}
     text = "\n".join(table(backend, args, demo_args, medians, parameters, tokens))
     text += "\n"
     os.makedirs(args.results, exist_ok=True)
