@@ -28,6 +28,11 @@ def _status_bytes(field):
     raise OSError(f"No {field} in /proc/self/status.")
 
 
+def high_water_bytes():
+    """This process's own resident high-water mark (`VmHWM`)."""
+    return _status_bytes("VmHWM")
+
+
 def peak_growth(function):
     """`(function(), bytes)`: the peak resident memory `function()` adds.
 

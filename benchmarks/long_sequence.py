@@ -1,0 +1,208 @@
+"""Long sequences: peak memory and time of an encoder block's training step.
+
+    python benchmarks/long_sequence.py --backend all
+    python benchmarks/long_sequence.py --backend torch --lengths 2048 8192
+
+One Transformer encoder block (batch 1, width 512, 8 heads of 64,
+feed-forward 2048, float32, post-norm) trains with `train_on_batch` (Adam,
+MSE) at each length T, in these variants:
+
+- `chunked`: `keras_attn.TransformerEncoder(flash_attention=False)`, the
+  explicit path, which goes in chunks of query rows recomputed in the backward
+  pass once `H * T * S` reaches `keras_attn.ops._CHUNKED_FROM`;
+- `materialized`: the same with chunking turned off (the whole `(B, H, T, S)`
+  logits and their gradient are kept);
+- `fused`: `flash_attention=None` with chunking turned off, i.e. Keras'
+  `ops.dot_product_attention` (XLA's attention on JAX, PyTorch's
+  `scaled_dot_product_attention` on torch; not on TensorFlow, which has none);
+- `keras-hub`: `keras_hub.layers.TransformerEncoder`.
+
+Each point runs in a fresh process, so that its peak resident memory (the
+process's high-water mark, `VmHWM`: see `benchmarks/memory.py` for why not
+`getrusage`'s `ru_maxrss`, which a child inherits from its parent) is its
+own; the `before` column is the same mark after the model was built, before
+the first step. Time is the median of `--calls` steps after one warm-up step
+(`benchmarks/timing.py`). A point
+runs under an address-space limit (`--memory-limit-gib`, default 20 on this
+24 GiB machine): one that needs more fails with an out-of-memory error, and
+the table says so. Results go to `benchmarks/results/long_sequence_<backend>.md`
+(or `--results DIR`).
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, ROOT)
+from benchmarks import memory  # noqa: E402
+from benchmarks import timing as timing_calls  # noqa: E402
+
+BACKENDS = ("jax", "tensorflow", "torch")
+VARIANTS = ("chunked", "materialized", "fused", "keras-hub")
+WIDTH, HEADS, FFN = 512, 8, 2048
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "MemoryError", "out of memory", "bad_alloc")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--backend",
+        choices=[*BACKENDS, "all"],
+        default=os.environ.get("KERAS_BACKEND", "jax"),
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--calls", type=int, default=3, help="Timed steps a point.")
+    parser.add_argument("--memory-limit-gib", type=float, default=20.0)
+    parser.add_argument("--timeout", type=float, default=900.0, help="Per point, s.")
+    parser.add_argument("--results", default=RESULTS)
+    parser.add_argument("--point", nargs=2, metavar=("VARIANT", "LENGTH"))
+    return parser.parse_args(argv)
+
+
+def build_model(variant, length):
+    """The block of `variant` (see the module docstring), compiled."""
+    import keras
+
+    import keras_attn
+
+    if variant in ("materialized", "fused"):
+        keras_attn.ops._CHUNKED_FROM = math.inf
+    inputs = keras.Input((length, WIDTH), batch_size=1)
+    if variant == "keras-hub":
+        import keras_hub
+
+        block = keras_hub.layers.TransformerEncoder(FFN, HEADS)
+    else:
+        flash_attention = None if variant == "fused" else False
+        block = keras_attn.TransformerEncoder(
+            FFN, HEADS, flash_attention=flash_attention
+        )
+    model = keras.Model(inputs, block(inputs))
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return model
+
+
+def run_point(variant, length, steps):
+    """One point, in this process: prints a JSON line of the measurements."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = (rng.normal(size=(1, length, WIDTH)).astype("float32") for _ in "xy")
+    model = build_model(variant, length)
+    before = memory.high_water_bytes() / 2**20
+    timing = timing_calls.time_call(lambda: model.train_on_batch(x, y), steps)
+    peak = memory.high_water_bytes() / 2**20
+    result = {"before_mib": before, "peak_mib": peak, "first_s": timing.first}
+    print(json.dumps({**result, "median_s": timing.median}))
+
+
+def measure(backend, variant, length, args):
+    """Runs one point in a fresh process under the memory limit."""
+    limit = int(args.memory_limit_gib * 2**30)
+    command = [sys.executable, os.path.abspath(__file__), "--calls", str(args.calls)]
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": ROOT}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        done = subprocess.run(
+            [*command, "--point", variant, str(length)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+        )
+    except subprocess.TimeoutExpired:
+        return {"failed": f"over {args.timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    log = done.stdout + done.stderr
+    if done.returncode < 0 or any(word in log for word in OUT_OF_MEMORY):
+        return {"failed": f"out of memory ({args.memory_limit_gib:g} GiB limit)"}
+    raise RuntimeError(f"{backend} {variant} T={length} failed:\n{log[-3000:]}")
+
+
+def variants(backend):
+    return [v for v in VARIANTS if not (v == "fused" and backend == "tensorflow")]
+
+
+def table(backend, lengths, results, args):
+    lines = [
+        f"### Long sequences, `KERAS_BACKEND={backend}`: one encoder block's "
+        "training step (batch 1, width 512, 8 heads of 64, FFN 2048, float32)",
+        "",
+        f"{platform.machine()}, {os.cpu_count()} CPUs. One fresh process per "
+        f"point; peak = its resident high-water mark (`VmHWM`), before = the "
+        "same mark after building the model; step time = "
+        f"{timing_calls.describe(args.calls)}. "
+        f"Default on this backend: {default_variant(backend)}.",
+        "",
+        "| T | variant | peak MiB | before MiB | peak vs materialized "
+        "| step s | step vs materialized |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for length in lengths:
+        reference = results[(length, "materialized")]
+        for variant in variants(backend):
+            lines.append(row(length, variant, results[(length, variant)], reference))
+    return "\n".join(lines) + "\n"
+
+
+def default_variant(backend):
+    from keras_attn.ops import _CHUNKED_FROM
+
+    start = f"from 2^{math.log2(_CHUNKED_FROM):g} logits per batch row (H * T * S)"
+    return {
+        "tensorflow": f"`chunked` {start}, else materialized",
+        "jax": f"`chunked` on a CPU {start}, else `fused`",
+        "torch": "`fused`",
+    }[backend]
+
+
+def row(length, variant, result, reference):
+    if "failed" in result:
+        return f"| {length} | {variant} | {result['failed']} | | | | |"
+    ratios = ["", ""]
+    if "failed" not in reference:
+        ratios = [
+            f"{result['peak_mib'] / reference['peak_mib']:.2f}x",
+            f"{result['median_s'] / reference['median_s']:.2f}x",
+        ]
+    return (
+        f"| {length} | {variant} | {result['peak_mib']:,.0f} "
+        f"| {result['before_mib']:,.0f} | {ratios[0]} "
+        f"| {result['median_s']:.2f} | {ratios[1]} |"
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.point:
+        return run_point(args.point[0], int(args.point[1]), args.calls)
+    os.makedirs(args.results, exist_ok=True)
+    sections = []
+    for backend in BACKENDS if args.backend == "all" else (args.backend,):
+        results = {}
+        for length in args.lengths:
+            for variant in variants(backend):
+                results[(length, variant)] = measure(backend, variant, length, args)
+                print(backend, length, variant, results[(length, variant)], flush=True)
+        text = table(backend, args.lengths, results, args)
+        path = os.path.join(args.results, f"long_sequence_{backend}.md")
+        with open(path, "w") as file:
+            file.write(text)
+        print(text)
+        sections.append(text)
+    return "\n".join(sections)
+
+
+if __name__ == "__main__":
+    main()
