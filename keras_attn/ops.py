@@ -384,13 +384,18 @@ def _choose_kernel(query, key, value, mask, bias, options):
             f"compute attention with {' or '.join(needs_explicit)}. Pass "
             "`flash_attention=None` (fused where possible) or `False`."
         )
-    chunks = _rows_per_chunk(query, key, mask, bias, options)
     if flash_attention:
         return "fused"
-    if flash_attention is None and not needs_explicit:
-        backend = keras.config.backend()
-        if backend != "tensorflow" and not (backend == "jax" and chunks and _on_cpu()):
-            return "fused"
+    chunks = _rows_per_chunk(query, key, mask, bias, options)
+    backend = keras.config.backend()
+    explicit = (
+        flash_attention is False
+        or needs_explicit
+        or backend == "tensorflow"
+        or (backend == "jax" and chunks and _on_cpu())
+    )
+    if not explicit:
+        return "fused"
     return "chunked" if chunks else "materialized"
 
 
@@ -631,12 +636,15 @@ def dot_product_attention(
 ):
     """Scaled dot-product attention, softmax(QK^T * scale + bias) V, safely masked.
 
-    One function chooses the kernel (see the table in `_uses_fused_kernel`):
+    One function chooses the kernel (see the table in `_choose_kernel`):
     the fused `keras.ops.dot_product_attention` (cuDNN/flash kernels where
     the backend has them) or an explicit path that materializes the weights
     with float32 logits and softmax, can apply `dropout` to them and return
-    them. Both give the same numbers. Grouped-query keys and values (`K`
-    heads for `H` query heads) reach either kernel unrepeated. A query row
+    them. For long sequences where no fused kernel runs, the explicit path
+    goes in chunks of query rows, each recomputed in the backward pass, so
+    that memory grows linearly in the length. All give the same numbers.
+    Grouped-query keys and values (`K` heads for `H` query heads) reach
+    every kernel unrepeated. A query row
     whose mask allows no key at all attends to nothing: its output and its
     weights are zeros, never NaN.
 
@@ -656,7 +664,8 @@ def dot_product_attention(
         scale: float. Logit scale; defaults to `1 / sqrt(D)`.
         flash_attention: `None` (fused where it computes the same), `True`
             (require the backend's flash kernel; raises where it cannot be
-            used) or `False` (always the explicit path). Defaults to `None`.
+            used) or `False` (always the explicit path, in chunks for long
+            sequences). Defaults to `None`.
         dropout: optional callable applied to the weights; it forces the
             explicit path, so pass it only when dropout is active.
         return_scores: bool. Also return the weights `(B, H, T, S)` (before

@@ -78,7 +78,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     `DTypePolicyMap` reach every projection. One dispatcher
     (`keras_attn.ops.dot_product_attention`) runs the attention in the fused
     `keras.ops.dot_product_attention` (flash kernels where the backend has
-    them) or in an explicit float32-softmax path; both give the same numbers.
+    them) or in an explicit float32-softmax path, which goes in chunks of
+    query rows (memory linear in the length) for long sequences where no
+    fused kernel runs; all give the same numbers.
 
     Masks: a key may be attended to where the key/value padding mask (from the
     inputs' Keras masks or `value_mask`/`key_mask`), `attention_mask`, the
@@ -121,7 +123,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             `True` (require the backend's flash kernel: raises with `dropout`,
             `logit_soft_cap`, `return_attention_scores=True`, and where the
             backend has no flash kernel) or `False` (always the explicit
-            path). Defaults to `None`.
+            path, in chunks for long sequences). Defaults to `None`.
         kernel_initializer: initializer of the kernels. Defaults to
             `"glorot_uniform"` (fans of the 2-D projection matrices).
         bias_initializer: initializer of the biases. Defaults to `"zeros"`.
