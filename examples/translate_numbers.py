@@ -47,6 +47,7 @@ import re
 import time
 from collections import Counter
 
+import console
 import keras
 import keras_hub
 import numpy as np
@@ -488,7 +489,7 @@ def train(args, data):
         sample_weight=(data.train_labels != PAD).astype("float32"),
         batch_size=args.batch_size,
         epochs=args.epochs,
-        verbose=1,
+        verbose=console.fit_verbose(),
     )
     print(f"trained in {time.perf_counter() - started:.0f} s")
     return model
