@@ -29,7 +29,7 @@ import argparse
 import os
 import time
 
-import console
+import console  # First: before anything imports TensorFlow.
 import keras
 import numpy as np
 

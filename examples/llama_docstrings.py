@@ -42,7 +42,7 @@ import time
 import warnings
 import zlib
 
-import console
+import console  # First: before anything imports TensorFlow.
 import keras
 import numpy as np
 

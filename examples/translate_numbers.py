@@ -47,7 +47,7 @@ import re
 import time
 from collections import Counter
 
-import console
+import console  # First: before anything imports TensorFlow.
 import keras
 import keras_hub
 import numpy as np
