@@ -28,7 +28,7 @@ What it shows:
   `keras_attn.generation.generate` (compiled on JAX and TensorFlow).
 - `.keras` save and load, then translations by the reloaded model.
 - A heatmap of one cross-attention head (`--output`/cross_attention.png): which
-  English word pieces each French word piece looked at.
+  English word pieces it looked at while producing each French word piece.
 - With `--quantize int8` (or `int4`): `model.quantize`, the share of the
   parameters converted, the quantized model's held-out exact match, and its
   `.keras` round trip.
