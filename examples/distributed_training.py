@@ -181,9 +181,10 @@ def launch(args):
 
 
 def configure_environment(args):
-    """Before Keras is imported: the backend, and JAX's CPU devices."""
+    """Before Keras is imported: the backend, TensorFlow's log, JAX's CPU devices."""
+    import console  # noqa: F401  (here: the module stays importable from tests)
+
     os.environ["KERAS_BACKEND"] = args.backend
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.dtype == "float64":
         os.environ["JAX_ENABLE_X64"] = "1"  # JAX's 64-bit types (before import).
     if args.backend == "jax":

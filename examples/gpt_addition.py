@@ -29,6 +29,7 @@ import argparse
 import os
 import time
 
+import console  # First: before anything imports TensorFlow.
 import keras
 import numpy as np
 
@@ -281,6 +282,7 @@ def main():
         sample_weight=(labels != PAD).astype("float32"),
         batch_size=args.batch_size,
         epochs=args.epochs,
+        verbose=console.fit_verbose(),
     )
     print(f"trained in {time.perf_counter() - started:.0f} s")
 

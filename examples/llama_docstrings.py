@@ -42,6 +42,7 @@ import time
 import warnings
 import zlib
 
+import console  # First: before anything imports TensorFlow.
 import keras
 import numpy as np
 
@@ -306,7 +307,7 @@ def train(model, args, inputs, labels):
         sample_weight=(labels != PAD).astype("float32"),
         batch_size=args.batch_size,
         epochs=args.epochs,
-        verbose=2,
+        verbose=console.fit_verbose(),
     )
     print(f"trained {model.name} in {time.perf_counter() - started:.0f} s")
 

@@ -28,7 +28,7 @@ What it shows:
   `keras_attn.generation.generate` (compiled on JAX and TensorFlow).
 - `.keras` save and load, then translations by the reloaded model.
 - A heatmap of one cross-attention head (`--output`/cross_attention.png): which
-  English word pieces each French word piece looked at.
+  English word pieces it looked at while producing each French word piece.
 - With `--quantize int8` (or `int4`): `model.quantize`, the share of the
   parameters converted, the quantized model's held-out exact match, and its
   `.keras` round trip.
@@ -47,6 +47,7 @@ import re
 import time
 from collections import Counter
 
+import console  # First: before anything imports TensorFlow.
 import keras
 import keras_hub
 import numpy as np
@@ -488,7 +489,7 @@ def train(args, data):
         sample_weight=(data.train_labels != PAD).astype("float32"),
         batch_size=args.batch_size,
         epochs=args.epochs,
-        verbose=1,
+        verbose=console.fit_verbose(),
     )
     print(f"trained in {time.perf_counter() - started:.0f} s")
     return model

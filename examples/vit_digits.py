@@ -21,6 +21,7 @@ import argparse
 import os
 import time
 
+import console  # First: before anything imports TensorFlow.
 import keras
 import numpy as np
 from sklearn.datasets import load_digits
@@ -137,7 +138,13 @@ def main():
     compile_model(model, args, args.epochs * -(-len(x_train) // args.batch_size))
     model.summary()
     started = time.perf_counter()
-    model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs)
+    model.fit(
+        x_train,
+        y_train,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        verbose=console.fit_verbose(),
+    )
     print(f"trained in {time.perf_counter() - started:.0f} s")
     print(f"evaluating on the {len(x_test)} held-out digits:")
     _, accuracy = model.evaluate(x_test, y_test, verbose=2)  # one line

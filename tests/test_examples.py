@@ -2,7 +2,9 @@
 
 Each example runs as a subprocess on the current `KERAS_BACKEND`, trains one
 epoch of a tiny model on a few hundred examples, and must exit with 0, write
-its outputs and end with its summary line. Whether the examples *learn* is
+its outputs and end with its summary line. Its stdout is a pipe, as in a CI log:
+it must hold no progress-bar redraws, and stderr none of TensorFlow's C++ log
+(which the examples keep quiet themselves). Whether the examples *learn* is
 checked by running them with their defaults (see README); these tests check
 that they run. The selected examples start together, one thread each (most of
 their time is imports and compilation), and each test waits for its own.
@@ -20,6 +22,16 @@ from tests.helpers import BACKEND
 
 ROOT = Path(__file__).resolve().parents[1]
 PERCENT = r"\d{1,3}\.\d%"
+# Keras' progress bar redraws with backspaces and ANSI escape sequences.
+REDRAW = re.compile(r"\x08|\x1b\[")
+# TensorFlow's C++ log: absl's `I0123 12:34:56.789012  42 file.cc:31] ` records,
+# TensorFlow's own `2025-01-23 12:34:56.789012: I file.cc:31] `, absl's notice.
+TF_LOG = re.compile(
+    r"^[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]"
+    r"|^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] "
+    r"|absl::InitializeLog|oneDNN|cuInit",
+    re.MULTILINE,
+)
 TINY_TRANSLATOR = [
     *("--epochs", 1, "--train-size", 256, "--test-size", 20),
     *("--embedding-dim", 32, "--num-layers", 1, "--num-heads", 2),
@@ -96,9 +108,9 @@ def started(request, tmp_path_factory):
         "KERAS_BACKEND": BACKEND,
         "CUDA_VISIBLE_DEVICES": "",
         "OMP_NUM_THREADS": "1",  # The processes share the machine's cores.
-        "TF_CPP_MIN_LOG_LEVEL": "3",
         "MPLBACKEND": "Agg",
     }
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # The examples' own setting is tested.
     processes = {}
     for name in dict.fromkeys(selected):
         script, flags, _, _ = EXAMPLES[name]
@@ -141,5 +153,7 @@ def test_example(started, name):
     )
     lines = stdout.strip().splitlines()
     assert re.fullmatch(last_line, lines[-1]), lines[-5:]
+    assert not REDRAW.search(stdout), "progress-bar redraws in piped output"
+    assert not TF_LOG.search(stderr), stderr[-3000:]
     for file in files:
         assert (output / file).stat().st_size > 0, file
