@@ -13,22 +13,23 @@ after the other):
 1. `benchmarks/encoder.py`: one Transformer encoder block (training step and
    forward pass) against keras-hub, `keras.layers.MultiHeadAttention` and
    `torch.nn`, then attention time and memory as the sequence grows.
-2. `benchmarks/long_sequence.py`: peak memory and time of an encoder block's
-   training step at 2,048 to 16,384 tokens, chunked against materialized
-   attention, the fused kernel and keras-hub (one fresh process a point).
-3. `benchmarks/generation.py`: tokens/s of cached `generate` against a naive
+2. `benchmarks/generation.py`: tokens/s of cached `generate` against a naive
    loop and keras-hub.
-4. `benchmarks/translation.py`: training tokens/s of the `make demo`
+3. `benchmarks/translation.py`: training tokens/s of the `make demo`
    translation model against the same model on keras-hub layers.
 
-Each writes its own table to `benchmarks/results/`, and the four tables are
+Each writes its own table to `benchmarks/results/`, and the three tables are
 concatenated into `benchmarks/results/summary_<backend>.md`. Every point is
 the median of timed calls after warm-up (`benchmarks/timing.py`; the tables
-say how many); `--calls N` sets the timed calls of all four. `--quick` is a
+say how many); `--calls N` sets the timed calls of all three. `--quick` is a
 smoke run of a few minutes per backend (one timed call, short sequences, batch
 32 for the translation model, no compiled PyTorch step); its numbers mean
 nothing, and its files go to a temporary folder (printed) unless
 `--results DIR` is given, so the real results are not overwritten.
+
+`benchmarks/long_sequence.py` (training at 2,048 to 16,384 tokens, one fresh
+process a point, about 15 minutes a backend) and
+`benchmarks/sharding_memory.py` run on their own.
 
 The timings are wall-clock on the CPU (or whatever device the backend picks):
 run on an otherwise idle machine, and leave the thread settings (for example
@@ -49,10 +50,9 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 QUICK_RESULTS = os.path.join(tempfile.gettempdir(), "keras_attn_benchmarks_quick")
 BACKENDS = ("jax", "tensorflow", "torch")
-BENCHMARKS = ("encoder", "long_sequence", "generation", "translation")
+BENCHMARKS = ("encoder", "generation", "translation")
 QUICK = {
     "encoder": ["--calls", "1", "--lengths", "128", "256", "--no-compiled"],
-    "long_sequence": ["--calls", "1", "--lengths", "2048"],
     "generation": ["--lengths", "32", "--calls", "1", "--naive-steps", "2"],
     "translation": ["--calls", "1", "--batch-size", "32"],
 }
