@@ -326,14 +326,15 @@ def _zero_empty_rows(output, probs, has_key):
 
 
 # The explicit path goes in chunks of query rows from `_CHUNKED_FROM` logits
-# per batch row (`H * T * S`, 2048 tokens for 8 heads), each chunk of about
-# `_CHUNK_LOGITS` logits (at least `_MIN_CHUNK_ROWS` rows), recomputed in the
-# backward pass (`benchmarks/long_sequence.py`). 2**23 float32 logits are
-# 32 MiB per batch row: from that size glibc's malloc always maps and unmaps
-# the memory itself; smaller chunks left the freed memory of every chunk
-# resident on TensorFlow and PyTorch (RSS growing with the chunk count).
-_CHUNKED_FROM = 2**25
-_CHUNK_LOGITS = 2**23
+# per batch row (`H * T * S`: two chunks or more; 2,896 tokens for 8 heads),
+# each chunk of about `_CHUNK_LOGITS` logits (at least `_MIN_CHUNK_ROWS`
+# rows), recomputed in the backward pass (`benchmarks/long_sequence.py`).
+# 2**25 float32 logits are 128 MiB per batch row. Chunks of 2**23 took about
+# twice as long on a CPU (skinny matmuls), and under 32 MiB (glibc's largest
+# threshold for memory it maps itself) they left each chunk's freed memory
+# resident on TensorFlow and PyTorch.
+_CHUNKED_FROM = 2**26
+_CHUNK_LOGITS = 2**25
 _MIN_CHUNK_ROWS = 16
 
 
