@@ -529,7 +529,7 @@ def _key_axis(options):
 
 def _chunked_attention(query, key, value, mask, bias, is_causal, options):
     """The explicit path in chunks of query rows, one chunk at a time
-    (`ops.map`), each recomputed in the backward pass (`keras.remat`): memory
+    (`ops.scan`), each recomputed in the backward pass (`keras.remat`): memory
     linear in the length.
 
     Every chunk sees all its keys, so its softmax is the materialized one, row
@@ -561,7 +561,16 @@ def _chunked_attention(query, key, value, mask, bias, is_causal, options):
         extra = [] if given["bias"] is None else [given["bias"]]
         return keras.remat(attend)(given["query"], key, value, *extra)
 
-    output = ops.map(one_chunk, chunked)  # (N, B, C, H, Dv)
+    def step(previous, chunk):
+        output = one_chunk(chunk)
+        return output, output
+
+    # `ops.scan`, not `ops.map`: TensorFlow's map runs 10 chunks at once. Its
+    # scan wants outputs shaped like the carry, which is the previous chunk's
+    # output (unused).
+    batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
+    first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
+    _, output = ops.scan(step, first, chunked)  # (N, B, C, H, Dv)
     output = ops.reshape(
         ops.moveaxis(output, 0, 1), (-1, count * rows, *output.shape[3:])
     )
