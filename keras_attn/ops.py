@@ -442,7 +442,13 @@ def _fused_attention(query, key, value, mask, bias, is_causal, flash_attention):
 
     Keras' torch backend refuses a `bias` with a `mask`, so a mask goes into
     the bias then (as the dtype's lowest value where it forbids attention).
+    On PyTorch, `flash_attention=None` reaches Keras as `False`: Keras' check
+    for a flash kernel builds a `SDPAParams`, which `torch.compile` cannot
+    trace (a graph break in every attention call), and `False` calls the same
+    `scaled_dot_product_attention` with torch's own kernel choice, flash first.
     """
+    if flash_attention is None and keras.config.backend() == "torch":
+        flash_attention = False
     if bias is not None:
         if mask is not None:  # in float32 (bfloat16 has no numpy finfo)
             lowest = np.finfo("float32").min
