@@ -595,7 +595,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         default to the query; in self-attention the query's padding mask masks
         the keys (unless they come from a cache). Self-attention is no
         `value`, or Keras' `layer(x, x)`: `value` the query tensor itself."""
-        self_attention = value is None or (value is query and key in (None, query))
+        # Identity, not `in`: `key in (None, query)` compares tensors by value.
+        self_attention = value is None or (
+            value is query and (key is None or key is query)
+        )
         if value is None:
             value = query
             if value_mask is None and cache is None:
