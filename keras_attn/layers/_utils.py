@@ -5,7 +5,6 @@ before any state changes), config checks on load, initializer cloning, the
 import inspect
 import numbers
 import re
-import types
 
 import keras
 from keras import ops
@@ -209,9 +208,16 @@ def check_modern_attention(
     return options
 
 
-def namespace(arguments):
-    """A call's `locals()` as attributes, without `self`."""
-    return types.SimpleNamespace(**{k: v for k, v in arguments.items() if k != "self"})
+class CallArguments:
+    """A call's `locals()` as attributes, without `self`.
+
+    A plain class: `torch.compile` traces it, not `types.SimpleNamespace`.
+    """
+
+    def __init__(self, arguments):
+        for name, value in arguments.items():
+            if name != "self":
+                setattr(self, name, value)
 
 
 def check_positions(positions, batch, length, rope_max_wavelength):
