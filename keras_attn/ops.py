@@ -52,18 +52,17 @@ def sinusoidal_position_encoding(
     >>> [round(float(v), 4) for v in keras.ops.convert_to_numpy(table)[1, :2]]
     [0.8415, 0.5403]
     """
-    channels = np.arange(dim)
-    inverse_frequency = np.power(
-        float(max_wavelength), -(2 * (channels // 2)) / dim, dtype=np.float64
-    ).astype("float32")  # (dim,)
+    inverse_frequency = _inverse_frequencies(
+        max_wavelength, [2 * (channel // 2) / dim for channel in range(dim)]
+    )  # (dim,)
     start = ops.cast(start_index, "float32")
     positions = ops.arange(0, length, dtype="float32")  # (T,)
     if len(start.shape) == 1:
         positions = ops.expand_dims(positions, 0) + ops.expand_dims(start, 1)  # (B, T)
     else:
         positions = positions + start
-    angles = ops.expand_dims(positions, -1) * ops.convert_to_tensor(inverse_frequency)
-    even = ops.convert_to_tensor(channels % 2 == 0)
+    angles = ops.expand_dims(positions, -1) * inverse_frequency
+    even = ops.convert_to_tensor([c % 2 == 0 for c in range(dim)], dtype="bool")
     return ops.cast(ops.where(even, ops.sin(angles), ops.cos(angles)), dtype)
 
 
@@ -102,14 +101,12 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     positions = ops.cast(ops.convert_to_tensor(positions), "float32")
     _check_rotary(x, positions, max_wavelength, scaling_factor)
     dim = x.shape[-1]
-    inverse_frequency = np.power(
-        float(max_wavelength), -np.arange(0, dim, 2) / dim, dtype=np.float64
-    ) / float(scaling_factor)
+    inverse_frequency = _inverse_frequencies(
+        max_wavelength, [i / dim for i in range(0, dim, 2)], scaling_factor
+    )  # (D/2,)
     if len(positions.shape) == 1:
         positions = ops.expand_dims(positions, 0)  # (1, T)
-    angles = ops.expand_dims(positions, -1) * ops.convert_to_tensor(
-        inverse_frequency.astype("float32")
-    )  # (B|1, T, D/2)
+    angles = ops.expand_dims(positions, -1) * inverse_frequency  # (B|1, T, D/2)
     angles = ops.expand_dims(ops.concatenate([angles, angles], axis=-1), 2)
     cos, sin = ops.cos(angles), ops.sin(angles)  # (B|1, T, 1, D)
     x1, x2 = ops.split(x, 2, axis=-1)
@@ -118,6 +115,19 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     cos, sin = ops.cast(cos, wide), ops.cast(sin, wide)
     output = ops.cast(x, wide) * cos + ops.cast(rotated, wide) * sin
     return ops.cast(output, x.dtype)
+
+
+def _inverse_frequencies(max_wavelength, exponents, scaling_factor=1.0):
+    """Float32 tensor of `max_wavelength**(-e) / scaling_factor` for each
+    exponent `e`, computed in float64 (Python floats) and rounded once.
+
+    Python floats rather than numpy: a constant that `torch.compile` folds,
+    where a numpy array breaks the graph (Keras' `convert_to_tensor` of an
+    ndarray is not traceable).
+    """
+    base, scaling_factor = float(max_wavelength), float(scaling_factor)
+    values = [base**-exponent / scaling_factor for exponent in exponents]
+    return ops.convert_to_tensor(values, dtype="float32")
 
 
 def _check_rotary(x, positions, max_wavelength, scaling_factor):
@@ -212,7 +222,7 @@ def sliding_window_mask(query_length, key_length, window, query_offset=0):
 
 
 def _alibi_slopes(num_heads, max_bias):
-    """The per-head slopes of Press et al. (2022), float64 numpy `(H,)`.
+    """The per-head slopes of Press et al. (2022), `H` Python floats.
 
     For a power of two `n`, the geometric sequence starting at and with ratio
     `2**(-max_bias / n)`; otherwise the slopes of the closest smaller power of
@@ -225,7 +235,7 @@ def _alibi_slopes(num_heads, max_bias):
         return [start ** (i + 1) for i in range(n)]
 
     extra = geometric(2 * closest)[0::2][: num_heads - closest]
-    return np.array(geometric(closest) + extra, dtype=np.float64)
+    return geometric(closest) + extra
 
 
 def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0):
@@ -259,14 +269,13 @@ def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0
         raise ValueError(
             f"`num_heads` must be a positive int. Received: {num_heads!r}."
         )
-    slopes = _alibi_slopes(num_heads, max_bias).astype("float32")
+    # Python floats, not numpy: a constant under `torch.compile`.
+    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads, max_bias), "float32")
     offsets = _offsets(query_length, key_length, query_offset)
     minus_distance = ops.cast(
         -ops.abs(offsets), "float32"
     )  # 0, not -0, on the diagonal
-    return ops.reshape(ops.convert_to_tensor(slopes), (1, -1, 1, 1)) * ops.expand_dims(
-        minus_distance, (0, 1)
-    )
+    return ops.reshape(slopes, (1, -1, 1, 1)) * ops.expand_dims(minus_distance, (0, 1))
 
 
 def merge_attention_masks(*masks):
@@ -612,7 +621,13 @@ def _fused_attention(query, key, value, mask, bias, is_causal, flash_attention):
 
     Keras' torch backend refuses a `bias` with a `mask`, so a mask goes into
     the bias then (as the dtype's lowest value where it forbids attention).
+    On PyTorch, `flash_attention=None` reaches Keras as `False`: Keras' check
+    for a flash kernel builds a `SDPAParams`, which `torch.compile` cannot
+    trace (a graph break in every attention call), and `False` calls the same
+    `scaled_dot_product_attention` with torch's own kernel choice, flash first.
     """
+    if flash_attention is None and keras.config.backend() == "torch":
+        flash_attention = False
     if bias is not None:
         if mask is not None:  # in float32 (bfloat16 has no numpy finfo)
             lowest = np.finfo("float32").min

@@ -5,8 +5,13 @@ Runtime, LiteRT, `torch.export`) and compared with `model.predict`, on inputs
 of several shapes with padding and a fully padded row. Where Keras itself
 cannot export on this backend, the test pins Keras' error (listed in the
 README): it fails, and so asks for the README to be updated, when a Keras
-release changes that.
+release changes that. On PyTorch, the same model trains under
+`jit_compile=True` (`torch.compile`) without a graph break in our code.
 """
+
+import functools
+import logging
+import os
 
 import keras
 import numpy as np
@@ -151,3 +156,67 @@ def test_keras_cannot_export_this_yet(model, format, signature, tmp_path):
     path = str(tmp_path / f"model{suffix}")
     with pytest.raises(error, match=message):
         model.export(path, **export_kwargs(format, DYNAMIC))
+
+
+class DynamoLog(logging.Handler):
+    """Collects `torch.compile`'s graph-break and recompile log records."""
+
+    def __init__(self):
+        super().__init__()
+        self.breaks, self.recompiles = [], []
+
+    def emit(self, record):
+        kind = record.name.rsplit(".", 1)[-1]
+        if kind == "__graph_breaks":
+            self.breaks.append(record.getMessage())
+        elif kind == "__recompiles":
+            self.recompiles.append(record.getMessage())
+
+
+@pytest.fixture
+def dynamo_log(monkeypatch):
+    """`torch.compile` traced by dynamo only (graph breaks and recompiles are
+    dynamo's; the "eager" backend skips minutes of C++ compilation), logged."""
+    import torch
+
+    compile_ = functools.partial(torch.compile, backend="eager")
+    monkeypatch.setattr(torch, "compile", compile_)
+    torch._dynamo.reset()
+    torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    log, dynamo_logger = DynamoLog(), logging.getLogger("torch._dynamo")
+    dynamo_logger.addHandler(log)
+    yield log
+    dynamo_logger.removeHandler(log)
+    torch._logging.set_logs()
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile is PyTorch's")
+def test_compiled_training_breaks_no_graph_in_our_code(dynamo_log):
+    """`fit` with `jit_compile=True`: no graph break passes through keras_attn
+    (a Keras padding mask, causal self-attention, cross-attention), and the
+    second epoch compiles nothing.
+
+    One eager step first: Keras' compiled step recompiles once when the
+    gradients stop being `None` (README); that retrace would double the
+    test's time and says nothing about our layers.
+    """
+    ids = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(ids)
+    x = keras_attn.TransformerDecoder(16, 2)(x, x)
+    model = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+    inputs = token_ids((8, 8), seed=5)
+    targets = np.random.default_rng(5).standard_normal((8, 8, VOCAB), "float32")
+    model.compile(optimizer="adam", loss="mse", jit_compile=False)
+    model.train_on_batch(inputs[:4], targets[:4])
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    seen = []
+    mark = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(len(dynamo_log.recompiles))
+    )
+    model.fit(inputs, targets, batch_size=4, epochs=2, callbacks=[mark], verbose=0)
+    package = os.path.dirname(keras_attn.__file__)
+    assert not [b for b in dynamo_log.breaks if package in b]
+    assert seen[1] == seen[0], dynamo_log.recompiles[seen[0] :]
+    # Keras' own break (README): its train step calls `loss.backward()`.
+    assert any("Tensor.backward()" in b for b in dynamo_log.breaks)

@@ -3,7 +3,6 @@
 import math
 import numbers
 
-import numpy as np
 from keras import ops
 
 
@@ -85,7 +84,8 @@ class AttentionAxes:
         shape = ops.shape(like)
         leading = [shape[a] for a in (0, *self.batch, *self.attention)]
         y = ops.reshape(y, (*leading, *ops.shape(y)[2:]))
-        inverse = np.argsort(self._permutation(trailing)).tolist()
+        permutation = self._permutation(trailing)  # its inverse, in Python ints
+        inverse = sorted(range(len(permutation)), key=permutation.__getitem__)
         return ops.transpose(y, inverse)
 
     def fold_attention_mask(self, mask, query, key):

@@ -5,7 +5,6 @@ before any state changes), config checks on load, initializer cloning, the
 import inspect
 import numbers
 import re
-import types
 
 import keras
 from keras import ops
@@ -209,9 +208,16 @@ def check_modern_attention(
     return options
 
 
-def namespace(arguments):
-    """A call's `locals()` as attributes, without `self`."""
-    return types.SimpleNamespace(**{k: v for k, v in arguments.items() if k != "self"})
+class CallArguments:
+    """A call's `locals()` as attributes, without `self`.
+
+    A plain class: `torch.compile` traces it, not `types.SimpleNamespace`.
+    """
+
+    def __init__(self, arguments):
+        for name, value in arguments.items():
+            if name != "self":
+                setattr(self, name, value)
 
 
 def check_positions(positions, batch, length, rope_max_wavelength):
@@ -236,9 +242,25 @@ def check_positions(positions, batch, length, rope_max_wavelength):
     check_mask("positions", positions, {1: (length,), 2: (batch, length)})
 
 
+def compiled_by_torch():
+    """Whether `torch.compile` is tracing this call: its tensors have no
+    values yet, and reading one breaks the graph (the read then runs eagerly).
+
+    The one backend import of the layers: Keras has no public way to ask.
+    """
+    if keras.config.backend() != "torch":
+        return False
+    import torch  # loaded already: it is the backend
+
+    return torch.compiler.is_compiling()
+
+
 def concrete_value(tensor):
     """`tensor` as numpy where it holds values (an eager call), else `None`:
-    tracers, graph tensors and torch.export's fake tensors have none yet."""
+    tracers, graph tensors, torch.export's fake tensors and the tensors
+    `torch.compile` traces have none yet."""
+    if compiled_by_torch():
+        return None
     try:
         return ops.convert_to_numpy(tensor)
     except (TypeError, NotImplementedError, RuntimeError):

@@ -8,6 +8,7 @@ from keras import ops
 from keras_attn import ops as attn_ops
 from keras_attn.layers._attention_axes import AttentionAxes, normalize_attention_axes
 from keras_attn.layers._utils import (
+    CallArguments,
     ConfigCheck,
     check_bool,
     check_broadcastable,
@@ -30,7 +31,6 @@ from keras_attn.layers._utils import (
     enable_lora,
     get_keras_object,
     leaf_dtype,
-    namespace,
 )
 
 
@@ -496,7 +496,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             query, value, key, value_mask, query_mask, mask, cache
         )
         if not self._inputs_checked_by_caller:
-            self._check_call(namespace(locals()))
+            self._check_call(CallArguments(locals()))
         fold = self._axes.fold  # inputs of rank > 3 become sequences
         query_positions, key_positions = self._rope_positions(
             query, key, positions, cache_update_index, self_attention
@@ -597,7 +597,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         default to the query; in self-attention the query's padding mask masks
         the keys (unless they come from a cache). Self-attention is no
         `value`, or Keras' `layer(x, x)`: `value` the query tensor itself."""
-        self_attention = value is None or (value is query and key in (None, query))
+        # Identity, not `in`: `key in (None, query)` compares tensors by value.
+        self_attention = value is None or (
+            value is query and (key is None or key is query)
+        )
         if value is None:
             value = query
             if value_mask is None and cache is None:
@@ -829,7 +832,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             query, value, key, value_mask, query_mask, mask, cache
         )
         if self.built and not self._inputs_checked_by_caller:
-            self._check_call(namespace(locals()))
+            self._check_call(CallArguments(locals()))
         dtype = self.compute_dtype
         shape = self.compute_output_shape(query.shape, value.shape, key.shape)
         outputs = (keras.KerasTensor(shape, dtype=dtype),)

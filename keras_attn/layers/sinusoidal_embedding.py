@@ -15,6 +15,7 @@ from keras_attn.layers._utils import (
     check_positive_int,
     check_width,
     clone_initializer,
+    compiled_by_torch,
     concrete_value,
     dtype_config,
     enable_lora,
@@ -217,7 +218,7 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
     def _check_token_ids(self, inputs):
         """Ids in `[0, vocabulary_size)`, checked where that is cheap: in eager
         calls. Traced tensors (compiled graphs) have no values to check."""
-        if any(dim == 0 for dim in inputs.shape):
+        if any(dim == 0 for dim in inputs.shape) or compiled_by_torch():
             return
         extremes = concrete_value(ops.stack([ops.min(inputs), ops.max(inputs)]))
         if extremes is None:
