@@ -263,7 +263,9 @@ def test_same_weights_and_numbers_as_keras_multi_head_attention(case, flash_atte
 def test_the_query_itself_as_value_with_a_key_of_its_own():
     """Keras' call form `layer(x, x, key=k)`: `value` is the query tensor, the
     key another one (comparing `key` and `query` by value raised here)."""
-    ours, theirs, query, _ = keras_twins({"num_heads": 2, "key_dim": 6}, (B, TQ, WIDTH), None)
+    ours, theirs, query, _ = keras_twins(
+        {"num_heads": 2, "key_dim": 6}, (B, TQ, WIDTH), None
+    )
     query = keras.ops.convert_to_tensor(query)
     key = keras.ops.convert_to_tensor(random_floats(B, TQ, WIDTH, seed=3))
     expected, _ = theirs(query, query, key=key, return_attention_scores=True)
