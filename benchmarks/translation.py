@@ -54,6 +54,8 @@ WARMUP = 2  # Compile, and settle.
 def load_demo():
     """`examples/translate_numbers.py` as a module (examples/ is no package)."""
     if "translate_numbers" not in sys.modules:
+        if os.path.dirname(DEMO) not in sys.path:  # its `import console`
+            sys.path.insert(0, os.path.dirname(DEMO))
         spec = importlib.util.spec_from_file_location("translate_numbers", DEMO)
         module = importlib.util.module_from_spec(spec)
         sys.modules["translate_numbers"] = module
