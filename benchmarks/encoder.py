@@ -270,8 +270,11 @@ def scaling_table(backend, lengths, points, calls):
         "(batch 1, 4 heads of 32)",
         "",
         "Default: `flash_attention=None`, the fused kernel on JAX and PyTorch, the "
-        "explicit path under TensorFlow on a CPU; explicit: `flash_attention=False` "
-        f"(materialized weights). Eager calls, {describe(calls)}, each point in "
+        "explicit path under TensorFlow on a CPU; explicit: `flash_attention=False`. "
+        "The explicit path goes in chunks of query rows from 2^26 logits per batch "
+        "row (4096 tokens here; on a CPU, JAX's default then too), a memory gain "
+        "in training (`long_sequence_<backend>.md`) rather than in these forward "
+        f"calls. Eager calls, {describe(calls)}, each point in "
         "a fresh process. Peak: how far the process's resident high-water mark "
         "(Linux `VmHWM`, reset just before) rises above its resident size over "
         "the warm-up and timed calls, the first call's compiling included.",
