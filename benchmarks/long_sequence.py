@@ -48,7 +48,14 @@ from benchmarks import timing as timing_calls  # noqa: E402
 BACKENDS = ("jax", "tensorflow", "torch")
 VARIANTS = ("chunked", "materialized", "fused", "keras-hub")
 WIDTH, HEADS, FFN = 512, 8, 2048
-OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "MemoryError", "out of memory", "bad_alloc")
+OUT_OF_MEMORY = (  # XLA, Python, TensorFlow, PyTorch, C++
+    "RESOURCE_EXHAUSTED",
+    "MemoryError",
+    "OOM when allocating",
+    "can't allocate memory",
+    "out of memory",
+    "bad_alloc",
+)
 
 
 def parse_args(argv=None):
@@ -127,7 +134,7 @@ def measure(backend, variant, length, args):
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
     log = done.stdout + done.stderr
-    if done.returncode < 0 or any(word in log for word in OUT_OF_MEMORY):
+    if done.returncode == -9 or any(word in log for word in OUT_OF_MEMORY):
         return {"failed": f"out of memory ({args.memory_limit_gib:g} GiB limit)"}
     raise RuntimeError(f"{backend} {variant} T={length} failed:\n{log[-3000:]}")
 
