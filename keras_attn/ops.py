@@ -335,7 +335,7 @@ def _zero_empty_rows(output, probs, has_key):
 
 
 # The explicit path goes in chunks of query rows from `_CHUNKED_FROM` logits
-# per batch row (`H * T * S`: two chunks or more; 2,896 tokens for 8 heads),
+# per batch row (`H * T * S`: usually two chunks or more; 2,897 tokens for 8 heads),
 # each chunk of about `_CHUNK_LOGITS` logits (at least `_MIN_CHUNK_ROWS`
 # rows), recomputed in the backward pass (`benchmarks/long_sequence.py`).
 # 2**25 float32 logits are 128 MiB per batch row. Chunks of 2**23 took about
