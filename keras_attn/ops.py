@@ -367,7 +367,11 @@ def _choose_kernel(query, key, value, mask, bias, options):
     5. JAX on a CPU, with at least `_CHUNKED_FROM` logits per batch row:
        explicit, in chunks. XLA's CPU attention materializes the logits and
        keeps them for the gradient (memory rule: `benchmarks/long_sequence.py`).
-    6. Otherwise: fused, heads-major caches too (transposed first).
+    6. Otherwise: fused, heads-major caches too. On PyTorch that is torch's
+       own `scaled_dot_product_attention` with torch's kernel choice (no
+       kernel pinned), grouped key/value heads unrepeated, and causal
+       attention without padding as `is_causal=True` and no mask; elsewhere
+       `keras.ops.dot_product_attention`.
 
     The explicit path materializes the weights, unless it may go in chunks:
     no dropout, no returned weights, static lengths, and at least
@@ -608,31 +612,41 @@ def _fused_path(query, key, value, mask, bias, is_causal, options):
     has_key = None
     if mask is not None:
         mask, has_key = _attends_to_something(mask)
-    if options["heads_major"]:  # the fused kernels take `(B, S, K, D)`
-        key, value = (ops.transpose(x, (0, 2, 1, 3)) for x in (key, value))
-    output = _fused_attention(
-        query, key, value, mask, bias, is_causal, options["flash_attention"]
-    )
+    if bias is not None:
+        bias, mask = _bias_with_mask(bias, mask, query.dtype), None
+    output = _fused_attention(query, key, value, mask, bias, is_causal, options)
     return _zero_empty_rows(output, None, has_key)[0]
 
 
-def _fused_attention(query, key, value, mask, bias, is_causal, flash_attention):
-    """`keras.ops.dot_product_attention` on `(B, S, K, D)` keys and values.
+def _bias_with_mask(bias, mask, dtype):
+    """One float bias in `dtype`: the fused kernels take a mask or a bias, not
+    both, so a mask goes in as the lowest value where it forbids attention
+    (in float32: bfloat16 has no numpy finfo)."""
+    if mask is not None:
+        lowest = np.finfo("float32").min
+        bias = ops.where(mask, ops.cast(bias, "float32"), lowest)
+    return ops.cast(bias, dtype)
 
-    Keras' torch backend refuses a `bias` with a `mask`, so a mask goes into
-    the bias then (as the dtype's lowest value where it forbids attention).
-    On PyTorch, `flash_attention=None` reaches Keras as `False`: Keras' check
-    for a flash kernel builds a `SDPAParams`, which `torch.compile` cannot
-    trace (a graph break in every attention call), and `False` calls the same
-    `scaled_dot_product_attention` with torch's own kernel choice, flash first.
+
+def _fused_attention(query, key, value, mask, bias, is_causal, options):
+    """The backend's fused kernel, given a mask or a bias (or neither).
+
+    On PyTorch, torch's own `scaled_dot_product_attention` with torch's kernel
+    choice, grouped heads unrepeated and the cache read in place
+    (`keras_attn/_torch_sdpa.py` says why not Keras' op). Elsewhere
+    `keras.ops.dot_product_attention` on `(B, S, K, D)` keys and values.
     """
-    if flash_attention is None and keras.config.backend() == "torch":
-        flash_attention = False
-    if bias is not None:
-        if mask is not None:  # in float32 (bfloat16 has no numpy finfo)
-            lowest = np.finfo("float32").min
-            bias, mask = ops.where(mask, ops.cast(bias, "float32"), lowest), None
-        bias = ops.cast(bias, query.dtype)
+    heads_major, flash_attention = options["heads_major"], options["flash_attention"]
+    if keras.config.backend() == "torch":
+        from keras_attn import _torch_sdpa
+
+        key, value = ops.convert_to_tensor(key), ops.convert_to_tensor(value)
+        return _torch_sdpa.attention(
+            query, key, value, bias if mask is None else mask,
+            is_causal, heads_major, require_fused=bool(flash_attention),
+        )  # fmt: skip
+    if heads_major:  # Keras' kernels take `(B, S, K, D)`
+        key, value = (ops.transpose(x, (0, 2, 1, 3)) for x in (key, value))
     return ops.dot_product_attention(
         query,
         key,

@@ -12,15 +12,54 @@ def _seeded():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Records the key shapes `keras.ops.dot_product_attention` receives."""
+    """Records the key shapes the fused kernel receives (the dispatcher's
+    `_fused_attention`: Keras' op, or torch's own on PyTorch)."""
+    from keras_attn import ops as attn_ops
+
     calls = []
-    original = keras.ops.dot_product_attention
+    original = attn_ops._fused_attention
 
     def spy(query, key, value, *args, **kwargs):
         calls.append(tuple(key.shape))
         return original(query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(keras.ops, "dot_product_attention", spy)
+    monkeypatch.setattr(attn_ops, "_fused_attention", spy)
+    return calls
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """PyTorch: records each `scaled_dot_product_attention` call as a dict of
+    its arguments, the kernel torch chooses for them (`torch._fused_sdp_choice`)
+    and whether every kernel was enabled (nothing pinned)."""
+    import torch
+    from torch.nn import functional
+
+    calls = []
+    original = functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        backends = torch.backends.cuda
+        calls.append(
+            {
+                "query": tuple(query.shape),
+                "key": tuple(key.shape),
+                **kwargs,
+                "kernel": torch._fused_sdp_choice(query, key, value, **kwargs),
+                "pinned": not all(
+                    enabled()
+                    for enabled in (
+                        backends.flash_sdp_enabled,
+                        backends.mem_efficient_sdp_enabled,
+                        backends.cudnn_sdp_enabled,
+                        backends.math_sdp_enabled,
+                    )
+                ),
+            }
+        )
+        return original(query, key, value, **kwargs)
+
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", spy)
     return calls
 
 

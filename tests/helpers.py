@@ -41,6 +41,41 @@ def has_accelerator():
     return torch.cuda.is_available()
 
 
+def has_fused_kernel(batch, length, heads, head_dim):
+    """Whether the backend has a fused (flash-type) attention kernel for
+    bfloat16 self-attention of this shape on its device, asked of the
+    backend itself: JAX's cuDNN attention, PyTorch's fused kernels (cuDNN,
+    flash, memory-efficient; the flash kernel on a CPU too). TensorFlow has
+    none."""
+    if BACKEND == "tensorflow":
+        return False
+    if BACKEND == "jax":
+        import jax
+
+        x = jax.numpy.zeros((batch, length, heads, head_dim), "bfloat16")
+        try:
+            jax.nn.dot_product_attention(x, x, x, implementation="cudnn")
+        except Exception:  # noqa: BLE001 - JAX raises several kinds
+            return False
+        return True
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.zeros(batch, heads, length, head_dim, dtype=torch.bfloat16, device=device)
+    fused = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+    ]
+    try:
+        with sdpa_kernel(fused):
+            torch.nn.functional.scaled_dot_product_attention(x, x, x)
+    except RuntimeError:
+        return False
+    return True
+
+
 def to_numpy(x):
     return keras.ops.convert_to_numpy(x)
 

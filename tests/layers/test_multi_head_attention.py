@@ -12,7 +12,7 @@ from keras_attn import MultiHeadAttention, TransformerDecoder, TransformerEncode
 from tests.helpers import (
     BACKEND,
     attention_reference,
-    has_accelerator,
+    has_fused_kernel,
     masking_bias,
     random_floats,
     run_layer_contract,
@@ -140,10 +140,11 @@ def test_dropout_only_in_training_and_seeded():
 
 
 def test_flash_attention_true_is_never_silently_ignored():
+    """It runs exactly where the backend has a fused kernel for the shape,
+    and raises elsewhere (never falls back)."""
     layer = MultiHeadAttention(num_heads=2, flash_attention=True, dtype="bfloat16")
     x = random_floats(2, 4, 8)
-    if not has_accelerator():
-        # No flash kernel on a CPU: the backend must say so, not fall back.
+    if not has_fused_kernel(batch=2, length=4, heads=2, head_dim=4):
         with pytest.raises((ValueError, RuntimeError, ImportError)):
             layer(x)
     else:
@@ -476,6 +477,62 @@ def test_grouped_query_heads_reach_the_fused_kernel_unrepeated(fused_calls):
         assert fused_calls == []
     else:
         assert fused_calls == [(3, 5, 2, 4)]
+
+
+ON_TORCH = pytest.mark.skipif(
+    BACKEND != "torch", reason="PyTorch's scaled_dot_product_attention"
+)
+
+
+@ON_TORCH
+@pytest.mark.parametrize("padding", [False, True])
+def test_torch_receives_causal_grouped_attention_in_its_own_form(sdpa_calls, padding):
+    """Causal without padding is `is_causal=True` and no mask; grouped heads
+    arrive unrepeated; no kernel is pinned; a padding mask keeps a fused
+    kernel (torch's CPU flash kernel here)."""
+    from torch.nn.attention import SDPBackend
+
+    layer = MultiHeadAttention(8, key_dim=4, num_key_value_heads=2)
+    x = random_floats(2, 5, 16)
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool) if padding else None
+    layer(x, query_mask=mask, use_causal_mask=True)
+    (call,) = sdpa_calls
+    assert (call["query"], call["key"]) == ((2, 8, 5, 4), (2, 2, 5, 4))
+    assert call["enable_gqa"] and not call["pinned"]
+    assert call["is_causal"] is not padding
+    assert (call["attn_mask"] is None) is not padding
+    assert call["kernel"] == SDPBackend.FLASH_ATTENTION.value
+
+
+@ON_TORCH
+def test_torch_reads_a_grouped_cache_in_place(sdpa_calls):
+    layer = MultiHeadAttention(8, key_dim=4, num_key_value_heads=2)
+    x = random_floats(2, 1, 16)
+    layer.build(x.shape)
+    cache = layer.get_empty_cache(2, 6)
+    layer(x, use_causal_mask=True, cache=cache, cache_update_index=2)
+    (call,) = sdpa_calls
+    assert (call["query"], call["key"]) == ((2, 8, 1, 4), (2, 2, 6, 4))
+    assert call["enable_gqa"] and not call["pinned"]
+
+
+@ON_TORCH
+def test_flash_attention_true_rules_out_torchs_composite_kernel(
+    sdpa_calls, monkeypatch
+):
+    import torch
+
+    layer = MultiHeadAttention(4, key_dim=8, flash_attention=True)
+    x = random_floats(2, 5, 16)
+    layer(x, use_causal_mask=True)
+    assert sdpa_calls[0]["pinned"]  # the composite "math" kernel is off
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_kernel)
+    with pytest.raises(ValueError, match=r"`flash_attention=True`.*no fused"):
+        layer(x, use_causal_mask=True)
 
 
 @pytest.mark.parametrize(
