@@ -6,8 +6,9 @@ compile a function on PyTorch but `Model.compile(jit_compile=True)`, whose
 graph breaks) and runs slower than eager. `torch.export(strict=False)` runs
 the step's Python once and keeps only the tensor operations: one graph, with
 the layers' weights as parameters (the same tensors, so later weight updates
-are seen). Inductor then compiles it to C++. The step takes and returns a flat
-tuple of tensors, so a call checks no nested structure.
+are seen). Inductor then compiles it: to C++ on a CPU, to Triton kernels
+replayed as a CUDA graph on a GPU. The step takes and returns a flat tuple of
+tensors, so a call checks no nested structure.
 `benchmarks/generation.py` measures it.
 """
 
@@ -36,6 +37,20 @@ class _FlatStep(torch.nn.Module):
         return tuple(leaves)
 
 
+def inductor_options(device):
+    """Inductor's options for the step on `device`.
+
+    On a GPU a step is bound by kernel launches, not by the GPU: CUDA graphs
+    (what `mode="reduce-overhead"` turns on) replay the step's kernels as one
+    launch. The step's shapes are fixed per segment, so one graph is
+    recorded per segment. On a CPU, the C++ wrapper calls the kernels without
+    Python in between.
+    """
+    if device.type == "cuda":
+        return {"triton.cudagraphs": True}
+    return {"cpp_wrapper": True}
+
+
 def compile_step(function, layers, state, numbers):
     """`function(state, numbers) -> state`, exported for these shapes and
     compiled; `layers` hold the weights it reads."""
@@ -44,11 +59,16 @@ def compile_step(function, layers, state, numbers):
         exported = torch.export.export(
             module, tuple(pytree.tree_leaves((state, numbers))), strict=False
         )
+    device = pytree.tree_leaves(state)[0].device
     compiled = torch.compile(
-        exported.module(), dynamic=False, options={"cpp_wrapper": True}
+        exported.module(), dynamic=False, options=inductor_options(device)
     )
 
+    graphs = device.type == "cuda"
+
     def step(state, numbers):
+        if graphs:  # the last step's outputs are this step's inputs, no more
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             leaves = compiled(*pytree.tree_leaves((state, numbers)))
         return pytree.tree_unflatten(leaves, module.state_spec)
