@@ -676,8 +676,10 @@ def dot_product_attention(
     """Scaled dot-product attention, softmax(QK^T * scale + bias) V, safely masked.
 
     One function chooses the kernel (see the table in `_choose_kernel`):
-    the fused `keras.ops.dot_product_attention` (cuDNN/flash kernels where
-    the backend has them) or an explicit path that materializes the weights
+    a fused one (on PyTorch torch's own `scaled_dot_product_attention`, with
+    torch's kernel choice; elsewhere `keras.ops.dot_product_attention`, with
+    cuDNN/flash kernels where the backend has them) or an explicit path that
+    materializes the weights
     with float32 logits and softmax, can apply `dropout` to them and return
     them. For long sequences where no fused kernel runs, the explicit path
     goes in chunks of query rows, each recomputed in the backward pass, so
@@ -702,8 +704,8 @@ def dot_product_attention(
             keys `j <= i`). Defaults to `False`.
         scale: float. Logit scale; defaults to `1 / sqrt(D)`.
         flash_attention: `None` (fused where it computes the same), `True`
-            (require the backend's flash kernel; raises where it cannot be
-            used) or `False` (always the explicit path, in chunks for long
+            (require a fused kernel; raises where the backend has none for
+            the inputs) or `False` (always the explicit path, in chunks for long
             sequences). Defaults to `None`.
         dropout: optional callable applied to the weights; it forces the
             explicit path, so pass it only when dropout is active.

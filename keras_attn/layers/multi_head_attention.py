@@ -76,9 +76,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     `output_dense`) and so the same weights, so that `set_weights` moves
     weights between the two, and `model.quantize(...)`, `enable_lora` and
     `DTypePolicyMap` reach every projection. One dispatcher
-    (`keras_attn.ops.dot_product_attention`) runs the attention in the fused
-    `keras.ops.dot_product_attention` (flash kernels where the backend has
-    them) or in an explicit float32-softmax path, which goes in chunks of
+    (`keras_attn.ops.dot_product_attention`) runs the attention in a fused
+    kernel (torch's own `scaled_dot_product_attention` on PyTorch, with
+    grouped heads unrepeated; `keras.ops.dot_product_attention` elsewhere) or
+    in an explicit float32-softmax path, which goes in chunks of
     query rows (memory linear in the length) for long sequences where no
     fused kernel runs; all give the same numbers.
 
@@ -120,9 +121,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             `|i - j| < sliding_window`; with `use_causal_mask=True` this is
             the causal sliding window of Mistral. Defaults to `None`.
         flash_attention: `None` (fused kernels where they compute the same),
-            `True` (require the backend's flash kernel: raises with `dropout`,
+            `True` (require a fused kernel: raises with `dropout`,
             `logit_soft_cap`, `return_attention_scores=True`, and where the
-            backend has no flash kernel) or `False` (always the explicit
+            backend has none for the inputs; on PyTorch, any of torch's
+            fused kernels, not its composite one) or `False` (always the explicit
             path, in chunks for long sequences). Defaults to `None`.
         kernel_initializer: initializer of the kernels. Defaults to
             `"glorot_uniform"` (fans of the 2-D projection matrices).
