@@ -1,4 +1,5 @@
-"""The benchmarks' measuring protocol: warm-up calls, medians, peak memory."""
+"""The benchmarks' measuring protocol (warm-up calls, medians, peak memory), and
+the GPU benchmark's smoke run on a CPU."""
 
 import os
 import re
