@@ -81,22 +81,25 @@ def matmul_peak(size=2048, calls=10):
     return 2 * size**3 / min(min(t.times) for t in timings.values())
 
 
-def keras_block(kind, jit_compile="auto"):
-    inputs = keras.Input((T, WIDTH))
+def keras_block(kind, jit_compile="auto", length=T, width=WIDTH, heads=HEADS, ffn=FFN):
+    """One compiled block of `kind` (a name in `BLOCKS`) on `(length, width)`
+    inputs; the sizes default to this benchmark's. Raises `ImportError` for
+    keras-hub where it is not installed."""
+    inputs = keras.Input((length, width))
     if kind == "keras_attn":
-        outputs = keras_attn.TransformerEncoder(FFN, HEADS)(inputs)
+        outputs = keras_attn.TransformerEncoder(ffn, heads)(inputs)
     elif kind == "keras-hub":
         import keras_hub
 
-        outputs = keras_hub.layers.TransformerEncoder(FFN, HEADS)(inputs)
+        outputs = keras_hub.layers.TransformerEncoder(ffn, heads)(inputs)
     else:  # a post-norm block on keras.layers.MultiHeadAttention
-        attention = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS)
+        attention = keras.layers.MultiHeadAttention(heads, width // heads)
         x = keras.layers.LayerNormalization(epsilon=1e-5)(
             inputs + attention(inputs, inputs)
         )
-        hidden = keras.layers.Dense(FFN, activation="relu")(x)
+        hidden = keras.layers.Dense(ffn, activation="relu")(x)
         outputs = keras.layers.LayerNormalization(epsilon=1e-5)(
-            x + keras.layers.Dense(WIDTH)(hidden)
+            x + keras.layers.Dense(width)(hidden)
         )
     model = keras.Model(inputs, outputs)
     model.compile(
@@ -143,14 +146,19 @@ def torch_contender(x, y, compiled):
     return tasks
 
 
-def torch_train_step(module, tx, ty):
+def torch_train_step(module, tx, ty, autocast=None):
+    """A training step of `module` on `(tx, ty)` (Adam, MSE) that returns the
+    loss as a float, so it returns once the step is done (on CUDA too);
+    `autocast`: a torch dtype the forward pass runs in under `torch.autocast`."""
     import torch
 
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)
+    enabled = autocast is not None
 
     def train():
         optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(module(tx), ty)
+        with torch.autocast(tx.device.type, dtype=autocast, enabled=enabled):
+            loss = torch.nn.functional.mse_loss(module(tx), ty)
         loss.backward()
         optimizer.step()
         return float(loss.detach())

@@ -47,13 +47,15 @@ VOCAB, WIDTH, HEADS, FFN, LAYERS, BATCH, PROMPT = 1000, 64, 4, 128, 2, 2, 8
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def keras_attn_model():
+def keras_attn_model(vocab=VOCAB, width=WIDTH, heads=HEADS, ffn=FFN, layers=LAYERS):
+    """The GPT-style decoder-only model (pre-norm blocks); the sizes default
+    to this benchmark's."""
     ids = keras.Input((None,), dtype="int32")
-    x = keras_attn.SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=WIDTH)(ids)
-    for _ in range(LAYERS):
-        x = keras_attn.TransformerDecoder(FFN, HEADS, normalize_first=True)(x)
+    x = keras_attn.SinusoidalEmbedding(vocabulary_size=vocab, embedding_dim=width)(ids)
+    for _ in range(layers):
+        x = keras_attn.TransformerDecoder(ffn, heads, normalize_first=True)(x)
     x = keras.layers.LayerNormalization()(x)
-    return keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+    return keras.Model(ids, keras.layers.Dense(vocab)(x))
 
 
 class KerasHubGreedy(keras.Model):

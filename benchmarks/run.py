@@ -28,8 +28,9 @@ nothing, and its files go to a temporary folder (printed) unless
 `--results DIR` is given, so the real results are not overwritten.
 
 `benchmarks/long_sequence.py` (training at 2,048 to 16,384 tokens, one fresh
-process a point, about 15 minutes a backend) and
-`benchmarks/sharding_memory.py` run on their own.
+process a point, about 15 minutes a backend),
+`benchmarks/sharding_memory.py` and `benchmarks/gpu.py` (the GPU benchmark:
+JAX and PyTorch on an NVIDIA GPU) run on their own.
 
 The timings are wall-clock on the CPU (or whatever device the backend picks):
 run on an otherwise idle machine, and leave the thread settings (for example

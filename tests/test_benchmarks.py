@@ -1,12 +1,19 @@
-"""The benchmarks' measuring protocol: warm-up calls, medians, peak memory."""
+"""The benchmarks' measuring protocol (warm-up calls, medians, peak memory), and
+the GPU benchmark's smoke run on a CPU."""
 
 import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks import memory, timing
+from tests.helpers import BACKEND
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fake_clock(durations):
@@ -75,3 +82,33 @@ def _describe_in_child(calls):
         "pid": os.getpid(),
         "executable": sys.executable,
     }
+
+
+def test_gpu_benchmark_smoke_run_names_the_device_and_writes_three_tables(tmp_path):
+    """`benchmarks/gpu.py` at tiny sizes on this backend's CPU (no Inductor
+    compiles: a minute each here); on TensorFlow, which the GPU machine has no
+    GPU build of, it only says so."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--quick"]
+    command += ["--calls", "1", "--lengths", "64", "--train-lengths", "64"]
+    command += ["--new-tokens", "4", "--no-compiled", "--results", str(tmp_path)]
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if BACKEND == "tensorflow":
+        assert "GPU build is not available on the GPU machine" in done.stdout
+        assert "chunked explicit path" in done.stdout
+        assert not list(tmp_path.iterdir())
+        return
+    text = (tmp_path / f"gpu_{BACKEND}_cpu.md").read_text()
+    assert f"`KERAS_BACKEND={BACKEND}`: CPU" in text and "Device: CPU." in text
+    for table in ("Attention layer", "Encoder training step", "Generation"):
+        assert re.search(rf"### {table}.*`KERAS_BACKEND={BACKEND}`, CPU\n", text)
+    for row in ("keras_attn", "keras.layers.MultiHeadAttention", "(native)"):
+        assert re.search(rf"\| 64 \| [^|]*{re.escape(row)}[^|]* \| \d+\.\d\d \|", text)
+    assert len(re.findall(r"keras_attn / native, time: T=64 \d+\.\d\dx\.", text)) == 2
+    assert "| keras-hub |" in text and "| keras_attn cached |" in text
+    assert "out of memory" not in text
+    if BACKEND == "jax":  # On PyTorch the compiled loop is the one left out.
+        assert "loops give the same tokens: yes." in text
