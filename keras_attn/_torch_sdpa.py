@@ -31,9 +31,10 @@ _FUSED = [
 ]
 
 
-def attention(query, key, value, mask, is_causal, heads_major, require_fused):
-    """Attention of `query` `(B, T, H, D)`, already scaled, over `key` and
-    `value` `(B, S, K, D)` (or `(B, K, S, D)` with `heads_major`).
+def attention(query, key, value, mask, is_causal, scale, heads_major, require_fused):
+    """Attention of `query` `(B, T, H, D)` over `key` and `value`
+    `(B, S, K, D)` (or `(B, K, S, D)` with `heads_major`), the logits scaled
+    by `scale`.
 
     `mask` is `None`, a bool mask or a float bias, of rank 4 and broadcastable
     to `(B, H, T, S)`. Returns `(B, T, H, Dv)`.
@@ -44,7 +45,7 @@ def attention(query, key, value, mask, is_causal, heads_major, require_fused):
     arguments = {
         "attn_mask": mask,
         "is_causal": is_causal,
-        "scale": 1.0,  # the query is scaled already
+        "scale": scale,
         # `bool`: in a traced export (ONNX) the head counts are tensors.
         "enable_gqa": bool(key.shape[1] != query.shape[1]),
     }

@@ -640,10 +640,10 @@ def _fused_attention(query, key, value, mask, bias, is_causal, options):
     if keras.config.backend() == "torch":
         from keras_attn import _torch_sdpa
 
-        key, value = ops.convert_to_tensor(key), ops.convert_to_tensor(value)
+        query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
         return _torch_sdpa.attention(
-            query, key, value, bias if mask is None else mask,
-            is_causal, heads_major, require_fused=bool(flash_attention),
+            query, key, value, bias if mask is None else mask, is_causal,
+            options["scale"], heads_major, require_fused=bool(flash_attention),
         )  # fmt: skip
     if heads_major:  # Keras' kernels take `(B, S, K, D)`
         key, value = (ops.transpose(x, (0, 2, 1, 3)) for x in (key, value))
@@ -653,7 +653,7 @@ def _fused_attention(query, key, value, mask, bias, is_causal, options):
         value,
         bias=bias,
         mask=mask,
-        scale=1.0,  # the query is scaled already
+        scale=options["scale"],
         is_causal=is_causal,
         flash_attention=flash_attention,
     )
@@ -737,17 +737,17 @@ def dot_product_attention(
         "return_scores": return_scores,
         "heads_major": heads_major,
         "logit_soft_cap": logit_soft_cap,
+        "scale": 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
     }
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    # Scaled once, before any kernel: each then sees the same scaled query.
-    dtype = keras.backend.standardize_dtype(query.dtype)
-    query = ops.multiply(query, ops.convert_to_tensor(scale, dtype=dtype))
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
     kernel = _choose_kernel(query, key, value, mask, bias, options)
-    if kernel == "fused":
+    if kernel == "fused":  # the kernel scales the logits
         return _fused_path(query, key, value, mask, bias, is_causal, options)
+    # The explicit path scales the query: T x D products rather than T x S.
+    dtype = keras.backend.standardize_dtype(query.dtype)
+    query = ops.multiply(query, ops.convert_to_tensor(options["scale"], dtype=dtype))
     if kernel == "chunked":
         return _chunked_attention(query, key, value, mask, bias, is_causal, options)
     causal_offset = 0 if is_causal else None
