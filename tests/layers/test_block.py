@@ -65,6 +65,28 @@ def test_dropout_in_training_reaches_every_branch(block):
     np.testing.assert_allclose(output, to_numpy(expected), atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
+@pytest.mark.parametrize(
+    ("dropout", "training", "called"),
+    [(0.0, True, False), (0.5, False, False), (0.5, True, True)],
+)
+def test_dropout_layer_is_called_only_where_it_drops(
+    block, dropout, training, called, monkeypatch
+):
+    """A Keras layer call is ~0.1 ms of Python in eager steps, so the blocks
+    call their `Dropout` only in training with a rate > 0."""
+    layer = block(4, 2, dropout=dropout)
+    x = random_floats(1, 4, 6)
+    layer(x)
+    calls = []
+    call = layer._dropout_layer.call
+    monkeypatch.setattr(
+        layer._dropout_layer, "call", lambda *a, **k: calls.append(1) or call(*a, **k)
+    )
+    layer(x, training=training)
+    assert bool(calls) == called
+
+
 def block_twins(block, inputs, **options):
     """`block` with `options` and a plain twin with the same weights."""
     special, plain = block(16, 4, **options), block(16, 4)
