@@ -226,7 +226,7 @@ def generator_traces(model):
     """Traces so far of the generator `generate` made last for `model`."""
     from keras_attn import generation
 
-    return list(generation._GENERATORS[model].values())[-1].traces
+    return list(generation.api._GENERATORS[model].values())[-1].traces
 
 
 def write_tables(backend, rows, first_calls, numbers, args):

@@ -9,7 +9,7 @@ MSE) at each length T, in these variants:
 
 - `chunked`: `keras_attn.TransformerEncoder(flash_attention=False)`, the
   explicit path, which goes in chunks of query rows recomputed in the backward
-  pass once `H * T * S` reaches `keras_attn.ops._CHUNKED_FROM`;
+  pass once `H * T * S` reaches `keras_attn.ops.plan.CHUNKED_FROM`;
 - `materialized`: the same with chunking turned off (the whole `(B, H, T, S)`
   logits and their gradient are kept);
 - `fused`: `flash_attention=None` with chunking turned off, i.e. Keras'
@@ -81,7 +81,7 @@ def build_model(variant, length):
     import keras_attn
 
     if variant in ("materialized", "fused"):
-        keras_attn.ops._CHUNKED_FROM = math.inf
+        keras_attn.ops.plan.CHUNKED_FROM = math.inf
     inputs = keras.Input((length, WIDTH), batch_size=1)
     if variant == "keras-hub":
         import keras_hub

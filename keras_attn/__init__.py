@@ -5,14 +5,13 @@ The same layers, and the same numbers, on TensorFlow, JAX and PyTorch
 """
 
 from keras_attn import distribution, generation, ops
+from keras_attn._version import __version__
 from keras_attn.layers import (
     MultiHeadAttention,
     SinusoidalEmbedding,
     TransformerDecoder,
     TransformerEncoder,
 )
-
-__version__ = "0.3.0"
 
 __all__ = [
     "MultiHeadAttention",

@@ -12,18 +12,18 @@ def _seeded():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Records the key shapes the fused kernel receives (the dispatcher's
-    `_fused_attention`: Keras' op, or torch's own on PyTorch)."""
-    from keras_attn import ops as attn_ops
+    """Records the key shapes the fused kernel receives (`kernels.fused`:
+    Keras' op, or torch's own on PyTorch)."""
+    from keras_attn.ops.kernels import fused
 
     calls = []
-    original = attn_ops._fused_attention
+    original = fused._kernel
 
     def spy(query, key, value, *args, **kwargs):
         calls.append(tuple(key.shape))
         return original(query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(attn_ops, "_fused_attention", spy)
+    monkeypatch.setattr(fused, "_kernel", spy)
     return calls
 
 
@@ -68,22 +68,23 @@ def small_chunks(monkeypatch):
     """The explicit path goes in chunks of 4 query rows at any size; returns
     `materialize()`, which turns chunking off again, and records the calls of
     the chunked path in `.calls`."""
-    from keras_attn import ops as attn_ops
+    from keras_attn.ops import plan
+    from keras_attn.ops.kernels import chunked
 
     calls = []
-    original = attn_ops._chunked_attention
+    original = chunked.attention
 
     def spy(query, *args, **kwargs):
         calls.append(tuple(query.shape))
         return original(query, *args, **kwargs)
 
-    monkeypatch.setattr(attn_ops, "_chunked_attention", spy)
-    monkeypatch.setattr(attn_ops, "_CHUNKED_FROM", 1)
-    monkeypatch.setattr(attn_ops, "_CHUNK_LOGITS", 1)
-    monkeypatch.setattr(attn_ops, "_MIN_CHUNK_ROWS", 4)
+    monkeypatch.setattr(chunked, "attention", spy)
+    monkeypatch.setattr(plan, "CHUNKED_FROM", 1)
+    monkeypatch.setattr(plan, "CHUNK_LOGITS", 1)
+    monkeypatch.setattr(plan, "MIN_CHUNK_ROWS", 4)
 
     def materialize():
-        monkeypatch.setattr(attn_ops, "_CHUNKED_FROM", float("inf"))
+        monkeypatch.setattr(plan, "CHUNKED_FROM", float("inf"))
 
     materialize.calls = calls
     return materialize

@@ -526,10 +526,10 @@ def test_bad_generate_argument_changes_nothing(gpt, kwargs, error, match):
         m for m in (call["model"],) if isinstance(m, keras.Model) and m is not gpt
     ]
     weights = [[to_numpy(w).copy() for w in m.weights] for m in subjects]
-    compiled = [dict(generation._GENERATORS.get(m, {})) for m in subjects]
+    compiled = [dict(generation.api._GENERATORS.get(m, {})) for m in subjects]
     with pytest.raises(error, match=match):
         generate(**call)
     for subject, before, generators in zip(subjects, weights, compiled, strict=True):
         for old, new in zip(before, subject.weights, strict=True):
             np.testing.assert_array_equal(old, to_numpy(new))
-        assert dict(generation._GENERATORS.get(subject, {})) == generators
+        assert dict(generation.api._GENERATORS.get(subject, {})) == generators

@@ -294,7 +294,7 @@ def test_new_numbers_compile_nothing():
     compiled = dict(method="sample", jit_compile=True)
     eager = dict(seed=1, temperature=0.7, top_k=3, repetition_penalty=1.1)
     first = generate(model, PROMPTS, LENGTH, **eager, **compiled)
-    (generator,) = generation._GENERATORS[model].values()
+    (generator,) = generation.api._GENERATORS[model].values()
     traces = generator.traces
     second = generate(
         model,
@@ -307,7 +307,7 @@ def test_new_numbers_compile_nothing():
         **compiled,
     )
     assert not np.array_equal(first, second)  # the new numbers did arrive
-    assert list(generation._GENERATORS[model].values()) == [generator]
+    assert list(generation.api._GENERATORS[model].values()) == [generator]
     assert generator.traces == traces > 0
     eager.update(method="sample", jit_compile=False)
     np.testing.assert_array_equal(generate(model, PROMPTS, LENGTH, **eager), first)
@@ -358,7 +358,7 @@ def test_prefill_and_step_closures_read_the_current_weights():
     before = generate(functions, PROMPTS, 8)
     model.set_weights([-1.3 * w for w in model.get_weights()])
     after = generate(functions, PROMPTS, 8)
-    assert len(generation._GENERATORS[functions[0]]) == 1
+    assert len(generation.api._GENERATORS[functions[0]]) == 1
     assert not np.array_equal(before, after)
     for row, prompt in zip(after, PROMPTS, strict=True):
         assert row.tolist() == naive_greedy(model, prompt, 8)

@@ -9,6 +9,7 @@ import pytest
 
 import keras_attn
 from keras_attn import ops as attn_ops
+from keras_attn.ops import plan
 from tests.helpers import (
     BACKEND,
     EPS32,
@@ -439,10 +440,10 @@ def test_chunked_gradient_memory_grows_linearly_in_the_length(monkeypatch):
     in chunks, and quadruples it materialized."""
     import jax
 
-    monkeypatch.setattr(attn_ops, "_CHUNK_LOGITS", 2**16)
+    monkeypatch.setattr(plan, "CHUNK_LOGITS", 2**16)
 
     def scratch_bytes(length, chunked_from):
-        monkeypatch.setattr(attn_ops, "_CHUNKED_FROM", chunked_from)
+        monkeypatch.setattr(plan, "CHUNKED_FROM", chunked_from)
         q = np.ones((1, length, 4, 16), "float32")
 
         def loss(q, k, v):

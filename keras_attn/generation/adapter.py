@@ -8,6 +8,7 @@ decoding loop and its strategies see only logits and that opaque state.
 import keras
 from keras import ops
 
+from keras_attn._checks import checked_upstream
 from keras_attn.generation.graph import is_decoder
 from keras_attn.layers import SinusoidalEmbedding
 
@@ -61,12 +62,17 @@ class ModelAdapter:
 
     def step(self, token, index, state):
         """One new token per row `(B,)` at position `index`: `(logits (B, V),
-        state)`."""
+        state)`.
+
+        The layers skip their call checks (`checked_upstream`): `generate`
+        checked its inputs, and a step reads no tensor back to the host.
+        """
         token = token[:, None]
         mask = padding_mask(self.plan.embedding, token)
         if mask is not None:  # a padding id is padding to the model, too
             state = {**state, "keys": ops.slice_update(state["keys"], [0, index], mask)}
-        logits, state = self._run(token, index, state)
+        with checked_upstream():
+            logits, state = self._run(token, index, state)
         return logits[:, -1], state
 
     def grow(self, state, size):

@@ -1,29 +1,8 @@
 """Attention over chosen axes of inputs of any rank, as attention over sequences."""
 
 import math
-import numbers
 
 from keras import ops
-
-
-def normalize_attention_axes(attention_axes):
-    """`None`, or a sorted tuple of ints, from an int or a list/tuple of ints."""
-    if attention_axes is None:
-        return None
-    axes = (attention_axes,) if isinstance(attention_axes, int) else attention_axes
-    if (
-        isinstance(attention_axes, bool)
-        or not isinstance(axes, list | tuple)
-        or not axes
-        or not all(
-            isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axes
-        )
-    ):
-        raise TypeError(
-            "`attention_axes` must be None, an int or a non-empty list/tuple of "
-            f"ints. Received: attention_axes={attention_axes!r}."
-        )
-    return tuple(int(a) for a in axes)
 
 
 class AttentionAxes:

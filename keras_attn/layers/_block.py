@@ -3,26 +3,27 @@
 import keras
 from keras import ops
 
-from keras_attn.layers._utils import (
-    ConfigCheck,
+from keras_attn._checks import (
     check_bool,
-    check_flash_attention,
     check_float,
-    check_key_value_heads,
-    check_modern_attention,
     check_one_of,
     check_positive_float,
     check_positive_int,
     check_rank,
     check_rate,
     check_width,
+    get_keras_object,
+)
+from keras_attn.layers._machinery import (
+    ConfigCheck,
     clone_initializer,
     dtype_config,
     enable_lora,
-    get_keras_object,
     leaf_dtype,
 )
+from keras_attn.layers._options import AttentionOptions
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
+from keras_attn.ops.plan import fused_limits, refuse_flash
 
 
 class TransformerBlock(ConfigCheck, keras.layers.Layer):
@@ -36,6 +37,10 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
     keras-hub's order; keras_attn's own are keyword only.
     """
 
+    # The attention options, keyword only, taken through `**kwargs` (their
+    # defaults: `AttentionOptions`).
+    keyword_arguments = AttentionOptions.names()
+
     def __init__(
         self,
         intermediate_dim,
@@ -47,24 +52,16 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         bias_initializer="zeros",
         normalize_first=False,
         *,
-        key_dim=None,
-        num_key_value_heads=None,
-        flash_attention=None,
-        use_gate=False,
-        sliding_window=None,
         normalization="layer_norm",
         gated_feedforward=False,
-        use_bias=True,
-        normalize_qk=False,
-        logit_soft_cap=None,
-        rope_max_wavelength=None,
-        rope_scaling_factor=1.0,
         **kwargs,
     ):
+        num_heads = check_positive_int("num_heads", num_heads)
+        dropout = check_rate("dropout", dropout)
+        options = AttentionOptions.take(kwargs, num_heads, dropout)
         super().__init__(**kwargs)
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
-        self.num_heads = check_positive_int("num_heads", num_heads)
-        self.dropout = check_rate("dropout", dropout)
+        self.num_heads, self.dropout = num_heads, dropout
         self.activation = get_keras_object(
             "activation", keras.activations.get, activation
         )
@@ -78,28 +75,11 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             "bias_initializer", keras.initializers.get, bias_initializer
         )
         self.normalize_first = check_bool("normalize_first", normalize_first)
-        self.key_dim = check_positive_int("key_dim", key_dim, allow_none=True)
-        self.num_key_value_heads = check_key_value_heads(
-            self.num_heads, num_key_value_heads
-        )
-        self.flash_attention = check_bool(
-            "flash_attention", flash_attention, allow_none=True
-        )
-        self.use_gate = check_bool("use_gate", use_gate)
-        self.sliding_window = check_positive_int(
-            "sliding_window", sliding_window, allow_none=True
-        )
         self.normalization = check_one_of(
             "normalization", normalization, ("layer_norm", "rms_norm")
         )
         self.gated_feedforward = check_bool("gated_feedforward", gated_feedforward)
-        self.use_bias = check_bool("use_bias", use_bias)
-        options = check_modern_attention(
-            rope_max_wavelength, rope_scaling_factor, normalize_qk, logit_soft_cap
-        )
-        for name, value in options.items():
-            setattr(self, name, value)
-        check_flash_attention(self.flash_attention, self.dropout, self.logit_soft_cap)
+        options.apply(self)
         self.supports_masking = True
 
     def _check_width(self, name, shape):
@@ -121,11 +101,10 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         check_float(name, tensor)
         check_bool("return_attention_scores", return_attention_scores)
         if return_attention_scores and self.flash_attention:
-            raise ValueError(
-                "`return_attention_scores=True` needs the explicit path, and "
-                "this block has `flash_attention=True`, which requires the "
-                "flash kernel. Create the block with flash_attention=None to "
-                "get the scores."
+            refuse_flash(
+                fused_limits(return_scores=True),
+                "return_attention_scores=True",
+                asked="return_attention_scores=True",
             )
 
     def _build_attention(self, name, query_shape, value_shape=None, window=None):
@@ -136,24 +115,20 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         passes on, so the sublayer does not check them again.
         """
         width = query_shape[-1]
+        options = AttentionOptions.config_of(self)
+        options.update(key_dim=self.key_dim or width // self.num_heads)
+        options.update(sliding_window=window)
+        if value_shape is not None:  # keys of another sequence: no positions
+            options.update(rope_max_wavelength=None, rope_scaling_factor=1.0)
         attention = MultiHeadAttention(
             num_heads=self.num_heads,
-            key_dim=self.key_dim or width // self.num_heads,
             dropout=self.dropout,
-            sliding_window=window,
-            flash_attention=self.flash_attention,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
-            use_gate=self.use_gate,
-            use_bias=self.use_bias,
-            num_key_value_heads=self.num_key_value_heads,
-            normalize_qk=self.normalize_qk,
             qk_norm_epsilon=self.layer_norm_epsilon,
-            logit_soft_cap=self.logit_soft_cap,
-            rope_max_wavelength=None if value_shape else self.rope_max_wavelength,
-            rope_scaling_factor=self.rope_scaling_factor,
             dtype=self.dtype_policy,
             name=name,
+            **options,
         )
         attention._inputs_checked_by_caller = True
         attention.build(query_shape, value_shape)
@@ -311,18 +286,9 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 ),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "normalize_first": self.normalize_first,
-                "key_dim": self.key_dim,
-                "num_key_value_heads": self.num_key_value_heads,
-                "flash_attention": self.flash_attention,
-                "use_gate": self.use_gate,
-                "sliding_window": self.sliding_window,
                 "normalization": self.normalization,
                 "gated_feedforward": self.gated_feedforward,
-                "use_bias": self.use_bias,
-                "normalize_qk": self.normalize_qk,
-                "logit_soft_cap": self.logit_soft_cap,
-                "rope_max_wavelength": self.rope_max_wavelength,
-                "rope_scaling_factor": self.rope_scaling_factor,
+                **AttentionOptions.config_of(self),
                 "dtype": dtype_config(self),
             }
         )

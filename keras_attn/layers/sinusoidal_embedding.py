@@ -7,19 +7,22 @@ import numpy as np
 from keras import ops
 
 from keras_attn import ops as attn_ops
-from keras_attn.layers._utils import (
-    ConfigCheck,
+from keras_attn._checks import (
+    call_checks_skipped,
     check_bool,
     check_float,
     check_positive_float,
     check_positive_int,
     check_width,
-    clone_initializer,
     compiled_by_torch,
     concrete_value,
+    get_keras_object,
+)
+from keras_attn.layers._machinery import (
+    ConfigCheck,
+    clone_initializer,
     dtype_config,
     enable_lora,
-    get_keras_object,
     leaf_dtype,
 )
 
@@ -186,11 +189,13 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         return shape[-1]
 
     def call(self, inputs, start_index=0):
-        self._check_call(inputs, start_index)
+        if not call_checks_skipped():
+            self._check_call(inputs, start_index)
+            if self.vocabulary_size is not None:
+                self._check_token_ids(inputs)
         if self.vocabulary_size is None:
             x = inputs
         else:
-            self._check_token_ids(inputs)
             x = self.token_embedding(inputs)  # (B, ..., T, D)
             if self.scale_embeddings:
                 x = x * ops.convert_to_tensor(self.embedding_dim**0.5, x.dtype)

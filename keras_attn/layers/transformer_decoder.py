@@ -1,9 +1,12 @@
 """The Transformer decoder block: masked self-attention, cross-attention, FFN."""
 
+import dataclasses
+from typing import Any
+
 import keras
 
-from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
-from keras_attn.layers._utils import (
+from keras_attn._checks import (
+    call_checks_skipped,
     check_bool,
     check_broadcastable,
     check_float,
@@ -13,6 +16,8 @@ from keras_attn.layers._utils import (
     check_rank,
     check_width,
 )
+from keras_attn.layers._attention_call import check_cache
+from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -183,8 +188,17 @@ class TransformerDecoder(TransformerBlock):
         decoder_sequence_mask=None,
         encoder_sequence_mask=None,
     ):
-        args = _Arguments(locals())
-        self._check_call(args)
+        args = DecoderCall(
+            decoder_sequence, encoder_sequence, decoder_padding_mask,
+            decoder_attention_mask, encoder_padding_mask, encoder_attention_mask,
+            self_attention_cache, self_attention_cache_update_index,
+            cross_attention_cache, cross_attention_cache_update_index,
+            use_causal_mask, training, return_attention_scores,
+            decoder_attention_bias, encoder_attention_bias, positions, mask,
+            decoder_sequence_mask, encoder_sequence_mask,
+        )  # fmt: skip
+        if not call_checks_skipped():
+            self._check_call(args)
         x, self_scores, self_attention_cache = self._attention_residual(
             decoder_sequence,
             self.self_attention,
@@ -327,7 +341,7 @@ class TransformerDecoder(TransformerBlock):
             )
         if cache is None:
             return target
-        self.self_attention._check_cache(cache, batch, "self_attention_cache")
+        check_cache(self.self_attention, cache, batch, "self_attention_cache")
         check_index("self_attention_cache_update_index", index, target, cache.shape[3])
         return cache.shape[3]
 
@@ -360,7 +374,7 @@ class TransformerDecoder(TransformerBlock):
                 f"cross_attention_cache_update_index={index}."
             )
         if cache is not None:
-            self.cross_attention._check_cache(cache, batch, "cross_attention_cache")
+            check_cache(self.cross_attention, cache, batch, "cross_attention_cache")
             if index is not None:
                 check_index(
                     "cross_attention_cache_update_index", index, source, cache.shape[3]
@@ -401,30 +415,11 @@ class TransformerDecoder(TransformerBlock):
     def compute_output_shape(self, decoder_sequence_shape, encoder_sequence_shape=None):
         return tuple(decoder_sequence_shape)
 
-    def compute_output_spec(
-        self,
-        decoder_sequence,
-        encoder_sequence=None,
-        decoder_padding_mask=None,
-        decoder_attention_mask=None,
-        encoder_padding_mask=None,
-        encoder_attention_mask=None,
-        self_attention_cache=None,
-        self_attention_cache_update_index=None,
-        cross_attention_cache=None,
-        cross_attention_cache_update_index=None,
-        use_causal_mask=True,
-        training=None,
-        return_attention_scores=False,
-        decoder_attention_bias=None,
-        encoder_attention_bias=None,
-        positions=None,
-        mask=None,
-        decoder_sequence_mask=None,
-        encoder_sequence_mask=None,
-    ):
-        args = _Arguments(locals())
+    def compute_output_spec(self, *args, **kwargs):
+        args = DecoderCall(*args, **kwargs)  # the arguments of `call`
         self._check_call(args)
+        decoder_sequence = args.decoder_sequence
+        self_attention_cache = args.self_attention_cache
         dtype = self.compute_dtype
         batch, target = decoder_sequence.shape[:2]
         keys = target if self_attention_cache is None else self_attention_cache.shape[3]
@@ -435,7 +430,7 @@ class TransformerDecoder(TransformerBlock):
             scores.append((batch, self.num_heads, target, source))
             caches.append(cross)
         outputs = [keras.KerasTensor(decoder_sequence.shape, dtype=dtype)]
-        if return_attention_scores:
+        if args.return_attention_scores:
             outputs += [keras.KerasTensor(shape, dtype=dtype) for shape in scores]
         if self_attention_cache is not None:
             outputs += [keras.KerasTensor(c.shape, dtype=c.dtype) for c in caches]
@@ -461,14 +456,37 @@ _CROSS_ATTENTION_ARGUMENTS = (
 )
 
 
-class _Arguments:
-    """A decoder call's arguments by name, with its padding masks resolved:
+@dataclasses.dataclass
+class DecoderCall:
+    """The arguments of a `TransformerDecoder` call, in `call`'s order, with
+    its padding masks resolved (`decoder_padding`, `encoder_padding`):
     explicit masks take precedence over the inputs' Keras masks, and with a
     self-attention cache the keys are the cache's positions (the decoder
     input's mask covers only the new tokens)."""
 
-    def __init__(self, arguments):
-        self.__dict__.update({k: v for k, v in arguments.items() if k != "self"})
+    decoder_sequence: Any
+    encoder_sequence: Any = None
+    decoder_padding_mask: Any = None
+    decoder_attention_mask: Any = None
+    encoder_padding_mask: Any = None
+    encoder_attention_mask: Any = None
+    self_attention_cache: Any = None
+    self_attention_cache_update_index: Any = None
+    cross_attention_cache: Any = None
+    cross_attention_cache_update_index: Any = None
+    use_causal_mask: bool = True
+    training: Any = None
+    return_attention_scores: bool = False
+    decoder_attention_bias: Any = None
+    encoder_attention_bias: Any = None
+    positions: Any = None
+    mask: Any = None
+    decoder_sequence_mask: Any = None
+    encoder_sequence_mask: Any = None
+    decoder_padding: Any = dataclasses.field(init=False)
+    encoder_padding: Any = dataclasses.field(init=False)
+
+    def __post_init__(self):
         self.decoder_padding = self.decoder_padding_mask
         if self.self_attention_cache is None:
             self.decoder_padding = first_mask(

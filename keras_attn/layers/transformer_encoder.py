@@ -2,8 +2,8 @@
 
 import keras
 
+from keras_attn._checks import call_checks_skipped, check_broadcastable, check_mask
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
-from keras_attn.layers._utils import check_broadcastable, check_mask
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -115,13 +115,14 @@ class TransformerEncoder(TransformerBlock):
         mask=None,
         inputs_mask=None,
     ):
-        self._check_call(
-            inputs,
-            padding_mask,
-            attention_mask,
-            attention_bias,
-            return_attention_scores,
-        )
+        if not call_checks_skipped():
+            self._check_call(
+                inputs,
+                padding_mask,
+                attention_mask,
+                attention_bias,
+                return_attention_scores,
+            )
         padding_mask = to_bool(first_mask(padding_mask, inputs_mask, mask))
         x, scores, _ = self._attention_residual(
             inputs,

@@ -9,9 +9,11 @@ boolean mask into a float one. Here torch gets the tensors as they are:
 
 - `(B, T, H, D)` inputs as heads-major views (`transpose`, no copy), and a
   key/value cache, already heads-major, unchanged;
-- grouped-query keys and values unrepeated (`enable_gqa=True`), which every
-  CUDA kernel (cuDNN, flash, memory-efficient) and the CPU flash kernel take;
-- causal attention without padding as `is_causal=True` and no mask;
+- grouped-query keys and values unrepeated (`enable_gqa=True`), which the
+  flash and cuDNN kernels take in half precision and the CPU flash kernel
+  in any (the plan repeats them where no fused kernel would take them);
+- causal attention without a mask or bias as `is_causal=True` (torch raises
+  for both: the plan folds the causal mask into the mask then);
 - a boolean mask as it is (torch keeps a fused kernel for it where one takes
   masks), or a float bias with the mask folded in.
 

@@ -1,0 +1,326 @@
+"""One `MultiHeadAttention` call: its arguments resolved, and what the layer
+accepts, checked once (at the call the user made, not again in a block's
+sublayer)."""
+
+import dataclasses
+from typing import Any
+
+from keras import ops
+
+from keras_attn._checks import (
+    check_bool,
+    check_broadcastable,
+    check_float,
+    check_index,
+    check_mask,
+    check_positions,
+    check_rank,
+    check_width,
+)
+from keras_attn.layers._attention_axes import AttentionAxes
+from keras_attn.ops.masks import (
+    causal_mask,
+    merge_attention_masks,
+    sliding_window_mask,
+)
+from keras_attn.ops.plan import fused_limits, refuse_flash
+
+
+@dataclasses.dataclass
+class AttentionCall:
+    """The arguments of a `MultiHeadAttention` call, in `call`'s order.
+
+    Resolved on creation: `value` defaults to the query, `key` to `value`; in
+    self-attention the query's padding mask masks the keys (unless they come
+    from a cache). Self-attention is no `value`, or Keras' `layer(x, x)`:
+    `value` the query tensor itself.
+    """
+
+    query: Any
+    value: Any = None
+    key: Any = None
+    query_mask: Any = None
+    value_mask: Any = None
+    key_mask: Any = None
+    attention_mask: Any = None
+    return_attention_scores: bool = False
+    training: Any = None
+    use_causal_mask: bool = False
+    attention_bias: Any = None
+    cache: Any = None
+    cache_update_index: Any = None
+    positions: Any = None
+    mask: Any = None
+    self_attention: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        # Identity, not `in`: `key in (None, query)` compares tensors by value.
+        self.self_attention = self.value is None or (
+            self.value is self.query and (self.key is None or self.key is self.query)
+        )
+        if self.value is None:
+            self.value = self.query
+            if self.value_mask is None and self.cache is None:
+                self.value_mask = (
+                    self.query_mask if self.query_mask is not None else self.mask
+                )
+        if self.key is None:
+            self.key = self.value
+
+    @property
+    def projects_keys(self):
+        """Keys and values are projected (not read from a precomputed cache)."""
+        return self.cache is None or self.cache_update_index is not None
+
+    def rope_positions(self):
+        """The rotary positions of the queries and of the keys projected in
+        this call.
+
+        Queries sit at `positions`, by default `cache_update_index` (or 0)
+        onwards. In self-attention the new keys are the queries' tokens, at
+        the same positions; the keys of another sequence count from the
+        index (or 0) on their own.
+        """
+        index = self.cache_update_index
+        start = ops.cast(0 if index is None else index, "int32")
+        positions = self.positions
+        if positions is None:
+            positions = ops.arange(0, ops.shape(self.query)[1], dtype="int32") + start
+        if self.self_attention:
+            return positions, positions
+        return positions, ops.arange(0, ops.shape(self.key)[1], dtype="int32") + start
+
+    def merged_mask(self, axes, sliding_window, lengths):
+        """The merged boolean mask (or `None`), and whether the causal mask is
+        left to the kernel (`is_causal`, the fused kernels' fast path).
+
+        `lengths` counts the (folded) queries and the keys (the cache's
+        positions with a cache).
+        """
+        fold = axes.fold
+        padding = [
+            ops.expand_dims(fold(ops.cast(m, "bool"), trailing=0), 1)  # (B, 1, S)
+            for m in (self.value_mask, self.key_mask)
+            if m is not None
+        ]
+        attention_mask = axes.fold_attention_mask(
+            self.attention_mask, self.query, self.key
+        )
+        positions = self._position_masks(sliding_window, *lengths)
+        mask = merge_attention_masks(*padding, attention_mask, *positions)
+        return mask, self.use_causal_mask and self.cache_update_index is None
+
+    def _position_masks(self, sliding_window, query_length, key_length):
+        """The masks by position: causal (or, without it, the keys written so
+        far) from the cache index, where the queries sit; the sliding window."""
+        offset, masks = 0, []
+        if self.cache_update_index is not None:  # queries at index, index + 1, ...
+            offset = self.cache_update_index
+            if self.use_causal_mask:
+                masks.append(causal_mask(query_length, key_length, offset))
+            else:  # every key written so far
+                written = (
+                    ops.arange(0, key_length, dtype="int32")
+                    < offset + ops.shape(self.key)[1]
+                )
+                masks.append(ops.expand_dims(written, 0))
+        if sliding_window is not None:
+            masks.append(
+                sliding_window_mask(query_length, key_length, sliding_window, offset)
+            )
+        return masks
+
+
+def check_shapes(attention_axes, query_shape, value_shape, key_shape):
+    """Raise unless the shapes fit together; return their `AttentionAxes`."""
+    rank = len(query_shape)
+    if rank < 3:
+        raise ValueError(
+            "`query` must have rank 3 or more, (batch, length, width) or "
+            "(batch, *axes, width). "
+            f"Received: query.shape={tuple(query_shape)}."
+        )
+    for name, shape in (("value", value_shape), ("key", key_shape)):
+        check_rank(name, shape, rank, "the rank of `query`")
+    if any(
+        _differ(a, b) for a, b in zip(value_shape[1:-1], key_shape[1:-1], strict=True)
+    ):
+        raise ValueError(
+            "All dimensions of `value` and `key`, except the last one, must "
+            f"be equal. Received: value_shape={tuple(value_shape)}, "
+            f"key_shape={tuple(key_shape)}."
+        )
+    for name, shape in (
+        ("query", query_shape),
+        ("value", value_shape),
+        ("key", key_shape),
+    ):
+        if shape[-1] is None:
+            raise ValueError(
+                f"The {name} width (last dimension) must be known. "
+                f"Received: {name}_shape={tuple(shape)}."
+            )
+    axes = AttentionAxes(attention_axes, rank)
+    if any(_differ(query_shape[a], value_shape[a]) for a in axes.batch):
+        raise ValueError(
+            "`query` and `value` must be equal on the axes that attention "
+            f"does not run over, {list(axes.batch)}. Received: "
+            f"query_shape={tuple(query_shape)}, value_shape={tuple(value_shape)}."
+        )
+    return axes
+
+
+def check_rope(rope_max_wavelength, rank, key_dim):
+    if rope_max_wavelength is None:
+        return
+    if rank != 3 or key_dim % 2:
+        raise ValueError(
+            "Rotary position embeddings (`rope_max_wavelength`) need inputs "
+            "of rank 3, (batch, length, width), and an even `key_dim` "
+            f"(channels rotate in pairs). Received: inputs of rank {rank}, "
+            f"key_dim={key_dim}."
+        )
+
+
+def check_call(layer, call):
+    """Every argument of `call` to the built `layer`, before anything is
+    computed."""
+    check_bool("use_causal_mask", call.use_causal_mask)
+    check_bool("return_attention_scores", call.return_attention_scores)
+    if call.return_attention_scores and layer.flash_attention:
+        refuse_flash(
+            fused_limits(return_scores=True),
+            "return_attention_scores=True",
+            asked="return_attention_scores=True",
+        )
+    query, key = call.query, call.key
+    _check_inputs(layer, query, call.value, key, call.projects_keys)
+    inner = tuple(query.shape[:-1])
+    check_mask("query_mask", call.query_mask, inner)
+    check_mask("mask", call.mask, inner)
+    key_inner = _check_cache_arguments(layer, call, tuple(key.shape[:-1]))
+    check_mask("value_mask", call.value_mask, key_inner)
+    check_mask("key_mask", call.key_mask, key_inner)
+    _check_attention_mask(layer, call.attention_mask, inner, key_inner)
+    _check_attention_bias(layer, call.attention_bias, inner, key_inner)
+    check_positions(call.positions, *inner[:2], layer.rope_max_wavelength)
+    _check_rotary_call(layer, call)
+
+
+def _check_rotary_call(layer, call):
+    if call.positions is not None and not call.self_attention:
+        raise ValueError(
+            "`positions` are the rotary positions of a self-attention's "
+            "tokens; call it as `layer(query)` (or with `value` the very "
+            "query tensor). Keys of another sequence sit at 0, 1, ... "
+            "Received: positions with a separate `value`."
+        )
+    if (
+        layer.rope_max_wavelength is not None
+        and not call.projects_keys
+        and call.positions is None
+    ):
+        raise ValueError(
+            "With rotary positions, a precomputed `cache` (no "
+            "`cache_update_index`) needs the queries' `positions`: nothing "
+            "else tells where they sit. Received: positions=None."
+        )
+
+
+def _check_cache_arguments(layer, call, key_inner):
+    """Check `cache` and `cache_update_index`; return the keys' inner shape."""
+    cache, index = call.cache, call.cache_update_index
+    if cache is None:
+        if index is not None:
+            raise ValueError(
+                "`cache_update_index` needs a `cache`. Received: cache=None, "
+                f"cache_update_index={index}."
+            )
+        return key_inner
+    check_cache(layer, cache, call.query.shape[0])
+    if index is not None:  # the new keys are written from there
+        check_index("cache_update_index", index, key_inner[1], cache.shape[3])
+    return (key_inner[0], cache.shape[3])
+
+
+def _check_inputs(layer, query, value, key, projected):
+    """Float inputs of the rank and the widths built for."""
+    rank = layer._axes.rank
+    layout = "(batch, length, width)" if rank == 3 else "(batch, *axes, width)"
+    for name, tensor in (("query", query), ("value", value), ("key", key)):
+        check_rank(name, tensor.shape, rank, layout)
+        check_float(name, tensor)
+        if name == "query" or projected:
+            check_width(name, tensor.shape, layer._widths[name])
+    if any(
+        _differ(a, b) for a, b in zip(key.shape[1:-1], value.shape[1:-1], strict=True)
+    ):
+        raise ValueError(
+            "`key` and `value` must have the same length (all dimensions "
+            "but the last one equal). "
+            f"Received: key.shape={tuple(key.shape)}, "
+            f"value.shape={tuple(value.shape)}."
+        )
+
+
+def _check_attention_mask(layer, attention_mask, inner, key_inner):
+    axes = layer._axes
+    if axes.rank == 3:
+        batch, query_length, key_length = inner[0], inner[1], key_inner[1]
+        shapes = {
+            2: (query_length, key_length),
+            3: (batch, query_length, key_length),
+            4: (batch, layer.num_heads, query_length, key_length),
+        }
+    else:  # (B, *batch axes, *query attention axes, *key attention axes)
+        shape = (inner[0], *(inner[a] for a in axes.batch))
+        shape += tuple(inner[a] for a in axes.attention)
+        shape += tuple(key_inner[a] for a in axes.attention)
+        shapes = {len(shape): shape}
+    check_mask("attention_mask", attention_mask, shapes, broadcast=True)
+
+
+def _check_attention_bias(layer, bias, inner, key_inner):
+    if bias is not None and layer._axes.rank != 3:
+        raise ValueError(
+            "`attention_bias` needs inputs of rank 3, (batch, length, width). "
+            f"{layer.name} was built for inputs of rank {layer._axes.rank}."
+        )
+    full = (inner[0], layer.num_heads, inner[1], key_inner[1])
+    check_broadcastable(
+        "attention_bias",
+        bias,
+        full,
+        "(batch, num_heads, query_length, key_length)",
+    )
+
+
+def check_cacheable(layer):
+    """Raise unless `layer` is built for key/value caches."""
+    if not layer.built:
+        raise ValueError(
+            f"{layer.name} must be built (called once) before it makes a cache."
+        )
+    if layer._value_head_dim != layer._head_dim:
+        raise ValueError(
+            "A key/value cache stacks keys and values, so it needs "
+            "`value_dim == key_dim`. Received: "
+            f"key_dim={layer._head_dim}, value_dim={layer._value_head_dim}."
+        )
+    if layer._axes.rank != 3:
+        raise ValueError(
+            "Key/value caches need inputs of rank 3, (batch, length, width). "
+            f"{layer.name} was built for inputs of rank {layer._axes.rank}."
+        )
+
+
+def check_cache(layer, cache, batch, name="cache"):
+    """Raise unless `cache` is a float `(batch, 2, kv_heads, length, key_dim)`."""
+    check_cacheable(layer)
+    expected = (batch, 2, layer._kv_heads, None, layer._head_dim)
+    check_mask(name, cache, expected)
+    check_float(name, cache)
+
+
+def _differ(a, b):
+    return isinstance(a, int) and isinstance(b, int) and a != b

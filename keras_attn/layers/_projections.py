@@ -1,0 +1,93 @@
+"""The attention projections on Keras' `EinsumDense` (W_Q, W_K, W_V, the gate
+and W_O) and the per-head QK-norms, built for a `MultiHeadAttention`."""
+
+import keras
+
+from keras_attn.layers._initializers import MatrixInitializer
+from keras_attn.layers._machinery import clone_initializer, leaf_dtype
+
+
+def head_norm(layer, name):
+    """RMSNorm over each head's channels (QK-norm, as in Gemma 3)."""
+    norm = keras.layers.RMSNormalization(
+        epsilon=layer.qk_norm_epsilon, dtype=leaf_dtype(layer, name), name=name
+    )
+    norm.supports_masking = True  # per position, as the projections
+    norm.build((None, None, None, layer._head_dim))
+    return norm
+
+
+def _sublayer_kwargs(layer, name):
+    return dict(
+        kernel_initializer=MatrixInitializer(
+            clone_initializer(layer.kernel_initializer),
+            fan_in_axes=2 if name == "attention_output" else 1,
+        ),
+        bias_initializer=clone_initializer(layer.bias_initializer),
+        kernel_regularizer=layer.kernel_regularizer,
+        bias_regularizer=layer.bias_regularizer,
+        kernel_constraint=layer.kernel_constraint,
+        bias_constraint=layer.bias_constraint,
+        dtype=leaf_dtype(layer, name),
+        name=name,
+    )
+
+
+def projection(layer, name, width, heads, dim, activation=None):
+    """`EinsumDense` `(B, T, width)` -> `(B, T, heads, dim)`.
+
+    (The letters sort the contracted axes in memory order: `jnp.einsum`
+    orders them alphabetically, and any other order makes XLA transpose
+    the kernels and their gradients.)
+    """
+    dense = keras.layers.EinsumDense(
+        "abc,cde->abde",
+        output_shape=(None, heads, dim),
+        bias_axes="de" if layer.use_bias else None,
+        activation=activation,
+        **_sublayer_kwargs(layer, name),
+    )
+    # Position-wise: a padding mask holds for the outputs as for the inputs
+    # (and Keras warns that a masked input would lose its mask otherwise).
+    dense.supports_masking = True
+    dense.build((None, None, width))
+    return dense
+
+
+def output_projection(layer, query_width):
+    """`EinsumDense` W_O: `(B, T, H, Dv)` -> `(B, T, *output_shape)`."""
+    output_shape = layer._output_shape or (query_width,)
+    letters = "efghijklmnopqrstuvwxyz"[: len(output_shape)]
+    dense = keras.layers.EinsumDense(
+        f"abcd,cd{letters}->ab{letters}",
+        output_shape=(None, *output_shape),
+        bias_axes=letters if layer.use_bias else None,
+        **_sublayer_kwargs(layer, "attention_output"),
+    )
+    dense.supports_masking = True  # position-wise, as the projections
+    dense.build((None, None, layer.num_heads, layer._value_head_dim))
+    return dense
+
+
+def project(dense, x):
+    """`dense(x)`, `(B, T, width)` -> `(B, T, heads, dim)`.
+
+    Raises where Keras would add the bias on the wrong axis: on TensorFlow,
+    `keras.ops.add` adds a bias of shape `(heads, 1)` along axis 1 (the
+    positions) when there are as many positions as heads.
+    """
+    bias_shape = () if dense.bias is None else tuple(dense.bias.shape)
+    if (
+        keras.backend.backend() == "tensorflow"
+        and len(bias_shape) == 2
+        and bias_shape[1] == 1
+        and 1 < bias_shape[0] == x.shape[1]
+    ):
+        raise ValueError(
+            f"On TensorFlow, Keras adds the bias of `{dense.name}` (heads of "
+            "width 1) along the wrong axis when the length equals the number "
+            f"of heads. Received: length={x.shape[1]}, "
+            f"heads={bias_shape[0]}, head width=1. Use heads of width > 1 "
+            "(key_dim/value_dim), use_bias=False, or another backend."
+        )
+    return dense(x)

@@ -1,0 +1,28 @@
+"""Pure `keras.ops` functions behind the layers: attention, masks, positions.
+
+Every function here is stateless and backend-agnostic. Shapes use `B` batch,
+`T`/`S` query/key length, `H` heads, `K` key/value heads, `D` per-head width.
+
+One module per concern: `positions` (sinusoids, rotary), `masks` (causal,
+sliding window, ALiBi, merging), `attention` (the public op), `plan` (which
+kernel runs, and why) and `kernels` (explicit, chunked, fused).
+"""
+
+from keras_attn.ops.attention import dot_product_attention
+from keras_attn.ops.masks import (
+    alibi_bias,
+    causal_mask,
+    merge_attention_masks,
+    sliding_window_mask,
+)
+from keras_attn.ops.positions import rotary_embedding, sinusoidal_position_encoding
+
+__all__ = [
+    "alibi_bias",
+    "causal_mask",
+    "dot_product_attention",
+    "merge_attention_masks",
+    "rotary_embedding",
+    "sinusoidal_position_encoding",
+    "sliding_window_mask",
+]

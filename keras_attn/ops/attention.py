@@ -1,0 +1,133 @@
+"""Scaled dot-product attention, the public op: plan, then run the kernel."""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_attn.ops.kernels import chunked, explicit, fused
+from keras_attn.ops.kernels.options import KernelOptions
+from keras_attn.ops.masks import merge_attention_masks
+from keras_attn.ops.plan import plan_attention, platform_of
+
+__all__ = ["dot_product_attention"]
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    mask=None,
+    bias=None,
+    is_causal=False,
+    scale=None,
+    flash_attention=None,
+    dropout=None,
+    return_scores=False,
+    heads_major=False,
+    logit_soft_cap=None,
+):
+    """Scaled dot-product attention, softmax(QK^T * scale + bias) V, safely masked.
+
+    The attention plan (`keras_attn.ops.plan`) chooses the kernel: a fused
+    one (on PyTorch torch's own `scaled_dot_product_attention`, with torch's
+    kernel choice; elsewhere `keras.ops.dot_product_attention`, with
+    cuDNN/flash kernels where the backend has them) or an explicit path that
+    materializes the weights with float32 logits and softmax, can apply
+    `dropout` to them and return them. For long sequences where no fused
+    kernel runs, the explicit path goes in chunks of query rows, each
+    recomputed in the backward pass, so that memory grows linearly in the
+    length. All give the same numbers. Grouped-query keys and values (`K`
+    heads for `H` query heads) reach the kernels unrepeated (but where the
+    plan says a fused kernel needs them repeated). A query row whose mask
+    allows no key at all attends to nothing: its output and its weights are
+    zeros, never NaN.
+
+    Args:
+        query: `(B, T, H, D)`.
+        key: `(B, S, K, D)`, or `(B, K, S, D)` with `heads_major`; `K` divides
+            `H` (grouped-query attention).
+        value: `(B, S, K, Dv)`, or `(B, K, S, Dv)` with `heads_major`.
+        mask: optional bool of rank 2 `(T, S)`, 3 `(B, T, S)` or 4
+            `(B, H, T, S)`, broadcastable; True = may attend.
+        bias: optional float, broadcastable to `(B, H, T, S)` as numpy
+            broadcasts (so a rank-3 bias is `(H, T, S)`, unlike a rank-3
+            mask), added to the scaled logits (e.g. `alibi_bias`). Keep it
+            finite; mask with `mask`.
+        is_causal: bool. Also apply a lower-triangular mask (query `i` sees
+            keys `j <= i`). Defaults to `False`.
+        scale: float. Logit scale; defaults to `1 / sqrt(D)`.
+        flash_attention: `None` (fused where it computes the same), `True`
+            (require a fused kernel; raises where the backend has none for
+            the inputs) or `False` (always the explicit path, in chunks for long
+            sequences). Defaults to `None`.
+        dropout: optional callable applied to the weights; it forces the
+            explicit path, so pass it only when dropout is active.
+        return_scores: bool. Also return the weights `(B, H, T, S)` (before
+            dropout). Defaults to `False`.
+        heads_major: bool. Keys and values are `(B, K, S, D)`, the layout of
+            the key/value caches. Defaults to `False`.
+        logit_soft_cap: optional float > 0. Soft-caps the scaled logits to
+            `cap * tanh(logits / cap)` before the bias and the softmax (Gemma
+            2); it needs the explicit path. Defaults to `None`.
+
+    Returns:
+        `(B, T, H, Dv)`, or `(output, weights)` with `return_scores=True`.
+
+    Example:
+    >>> q = np.random.rand(2, 3, 4, 8).astype("float32")
+    >>> kv = np.random.rand(2, 5, 2, 8).astype("float32")  # 2 key/value heads
+    >>> out = keras_attn.ops.dot_product_attention(q, kv, kv, mask=np.ones((3, 5)))
+    >>> tuple(out.shape)
+    (2, 3, 4, 8)
+    """
+    if logit_soft_cap is not None and not logit_soft_cap > 0:
+        raise ValueError(
+            f"`logit_soft_cap` must be > 0. Received: logit_soft_cap={logit_soft_cap}."
+        )
+    mask = merge_attention_masks(mask)
+    if bias is not None:  # rank 4, which every backend's fused kernel takes
+        bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
+    plan = plan_attention(
+        tuple(query.shape),
+        tuple(key.shape),
+        tuple(value.shape),
+        query.dtype,
+        heads_major=heads_major,
+        mask_shape=None if mask is None else tuple(mask.shape),
+        bias_shape=None if bias is None else tuple(bias.shape),
+        is_causal=is_causal,
+        dropout=dropout is not None,
+        return_scores=return_scores,
+        logit_soft_cap=logit_soft_cap,
+        flash_attention=flash_attention,
+        platform=platform_of(query),
+    )
+    options = KernelOptions(
+        scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
+        heads_major=heads_major,
+        dropout=dropout,
+        logit_soft_cap=logit_soft_cap,
+    )
+    output, weights = _run(plan, query, key, value, mask, bias, is_causal, options)
+    return (output, weights) if return_scores else output
+
+
+def _run(plan, query, key, value, mask, bias, is_causal, options):
+    """Carry out `plan`: `(output, weights)`, the weights `None` but on the
+    materialized path."""
+    if plan.kernel == "fused":  # the kernel scales the logits
+        output = fused.attention(
+            query, key, value, mask, bias, is_causal, plan, options
+        )
+        return output, None
+    # The explicit path scales the query: T x D products rather than T x S.
+    dtype = keras.backend.standardize_dtype(query.dtype)
+    query = ops.multiply(query, ops.convert_to_tensor(options.scale, dtype=dtype))
+    if plan.kernel == "chunked":
+        output = chunked.attention(
+            query, key, value, mask, bias, is_causal, plan.chunk_rows, options
+        )
+        return output, None
+    causal_offset = 0 if is_causal else None
+    return explicit.attention(query, key, value, mask, bias, causal_offset, options)

@@ -1,0 +1,192 @@
+"""Masks and biases over (query, key) positions: causal, sliding window, ALiBi,
+and the merge of any of them into one rank-4 boolean mask. True means "may
+attend"."""
+
+import math
+
+from keras import ops
+
+from keras_attn._checks import check_positive_int
+
+__all__ = [
+    "alibi_bias",
+    "causal_mask",
+    "merge_attention_masks",
+    "sliding_window_mask",
+]
+
+
+def offsets(query_length, key_length, query_offset):
+    """`(T, S)` int32 `key position - query position`; query `i` sits at
+    `i + query_offset`, key `j` at `j`.
+
+    (`arange(0, n)`, `expand_dims` rather than `arange(n)`, `[None]`: the
+    forms that jax2onnx and TensorFlow Lite's builtin ops export.)
+    """
+    query_positions = ops.arange(0, query_length, dtype="int32") + ops.cast(
+        query_offset, "int32"
+    )
+    key_positions = ops.arange(0, key_length, dtype="int32")
+    return ops.expand_dims(key_positions, 0) - ops.expand_dims(query_positions, 1)
+
+
+def causal_mask(query_length, key_length, query_offset=0):
+    """Boolean lower-triangular mask: query `i` may attend to key `j <= i + offset`.
+
+    Args:
+        query_length: int or scalar tensor. Number of query positions.
+        key_length: int or scalar tensor. Number of key positions.
+        query_offset: int or scalar tensor. Absolute position of the first query,
+            e.g. the cache index during step-by-step decoding. Defaults to `0`.
+
+    Returns:
+        Bool tensor `(query_length, key_length)`, True where attention is allowed.
+
+    Example:
+    >>> keras.ops.convert_to_numpy(keras_attn.ops.causal_mask(3, 3)).astype(int)
+    array([[1, 0, 0],
+           [1, 1, 0],
+           [1, 1, 1]])
+    """
+    return offsets(query_length, key_length, query_offset) <= 0
+
+
+def sliding_window_mask(query_length, key_length, window, query_offset=0):
+    """Boolean band: query `i` may attend to keys within `window - 1` positions.
+
+    Key `j` is allowed where `|i + query_offset - j| < window`, the symmetric
+    band of Keras' `MultiHeadAttention(sliding_window=...)`. ANDed with
+    `causal_mask`, it is the causal sliding window of Mistral (each query sees
+    itself and the `window - 1` keys before it).
+
+    Args:
+        query_length: int or scalar tensor. Number of query positions.
+        key_length: int or scalar tensor. Number of key positions.
+        window: int >= 1. Width of the band on each side, the query included.
+        query_offset: int or scalar tensor. Absolute position of the first
+            query. Defaults to `0`.
+
+    Returns:
+        Bool tensor `(query_length, key_length)`, True where attention is allowed.
+
+    Example:
+    >>> mask = keras_attn.ops.sliding_window_mask(4, 4, window=2)
+    >>> keras.ops.convert_to_numpy(mask).astype(int)
+    array([[1, 1, 0, 0],
+           [1, 1, 1, 0],
+           [0, 1, 1, 1],
+           [0, 0, 1, 1]])
+    """
+    return ops.abs(offsets(query_length, key_length, query_offset)) < window
+
+
+def _alibi_slopes(num_heads, max_bias):
+    """The per-head slopes of Press et al. (2022), `H` Python floats.
+
+    For a power of two `n`, the geometric sequence starting at and with ratio
+    `2**(-max_bias / n)`; otherwise the slopes of the closest smaller power of
+    two, then every other slope of the next power of two (the paper's code).
+    """
+    closest = 2 ** math.floor(math.log2(num_heads))
+
+    def geometric(n):
+        start = 2.0 ** (-max_bias / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    extra = geometric(2 * closest)[0::2][: num_heads - closest]
+    return geometric(closest) + extra
+
+
+def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0):
+    """ALiBi's linear attention bias (Press et al., 2022), to add to the logits.
+
+    `bias[h, i, j] = -slope_h * |i + query_offset - j|`, with the paper's
+    head slopes (`1/2, 1/4, ..., 1/256` for 8 heads). Under a causal mask this
+    is the paper's `-slope_h * (i - j)`; without one it penalizes distance in
+    both directions. Pass it as `attention_bias` to
+    `keras_attn.MultiHeadAttention` or as `bias` to `dot_product_attention`.
+
+    Args:
+        num_heads: int. Number of query heads.
+        query_length: int or scalar tensor. Number of query positions.
+        key_length: int or scalar tensor. Number of key positions.
+        query_offset: int or scalar tensor. Absolute position of the first
+            query, e.g. the cache index in step-by-step decoding. Defaults
+            to `0`.
+        max_bias: float. The slopes are `2**(-max_bias * k / num_heads)`.
+            Defaults to `8.0`, the paper's value.
+
+    Returns:
+        Float32 tensor `(1, num_heads, query_length, key_length)`.
+
+    Example:
+    >>> bias = keras_attn.ops.alibi_bias(num_heads=2, query_length=3, key_length=3)
+    >>> keras.ops.convert_to_numpy(bias)[0, 0].tolist()
+    [[0.0, -0.0625, -0.125], [-0.0625, 0.0, -0.0625], [-0.125, -0.0625, 0.0]]
+    """
+    check_positive_int("num_heads", num_heads)
+    # Python floats, not numpy: a constant under `torch.compile`.
+    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads, max_bias), "float32")
+    distance = ops.abs(offsets(query_length, key_length, query_offset))
+    minus_distance = ops.cast(-distance, "float32")  # 0, not -0, on the diagonal
+    return ops.reshape(slopes, (1, -1, 1, 1)) * ops.expand_dims(minus_distance, (0, 1))
+
+
+def merge_attention_masks(*masks):
+    """AND any number of boolean attention masks into one `(B|1, H|1, T, S)` mask.
+
+    Each mask is `None` (skipped) or a bool tensor of rank 2 `(T, S)`, rank 3
+    `(B, T, S)` or rank 4 `(B, H, T, S)`, where any axis may be 1 to
+    broadcast. True means "may attend". A key padding mask `(B, S)` enters as
+    `padding[:, None, :]`.
+
+    Args:
+        *masks: bool tensors of rank 2 to 4, or `None`.
+
+    Returns:
+        Bool tensor of rank 4, or `None` when every mask is `None`.
+
+    Example:
+    >>> padding = np.array([[True, True, False]])
+    >>> causal = np.tril(np.ones((3, 3), bool))
+    >>> mask = keras_attn.ops.merge_attention_masks(padding[:, None, :], causal)
+    >>> keras.ops.convert_to_numpy(mask)[0, 0].astype(int)
+    array([[1, 0, 0],
+           [1, 1, 0],
+           [1, 1, 0]])
+    """
+    merged = None
+    for mask in masks:
+        if mask is None:
+            continue
+        mask = ops.cast(mask, "bool")
+        rank = len(mask.shape)
+        if rank not in (2, 3, 4):
+            raise ValueError(
+                "Attention masks must have rank 2 `(T, S)`, 3 `(B, T, S)` or 4 "
+                f"`(B, H, T, S)`. Received: mask.shape={tuple(mask.shape)}."
+            )
+        mask = ops.expand_dims(mask, (0, 1) if rank == 2 else 1) if rank < 4 else mask
+        merged = mask if merged is None else ops.logical_and(merged, mask)
+    return merged
+
+
+def open_empty_rows(mask):
+    """`(mask with its empty rows opened, rows_with_any_key)` for a rank-4 mask.
+
+    A query row whose mask allows no key would softmax over nothing (NaN);
+    opened, it computes something finite, which `zero_empty_rows` then zeros.
+    """
+    has_key = ops.any(mask, axis=-1, keepdims=True)  # (B, 1|H, T, 1)
+    return ops.logical_or(mask, ops.logical_not(has_key)), has_key
+
+
+def zero_empty_rows(output, probs, has_key):
+    """Zero the output `(B, T, H, D)` and weights of rows with no allowed key."""
+    if has_key is None:
+        return output, probs
+    keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B, T, 1|H, 1)
+    output = ops.where(keep, output, ops.zeros_like(output))
+    if probs is not None:
+        probs = ops.where(has_key, probs, ops.zeros_like(probs))
+    return output, probs

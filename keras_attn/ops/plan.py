@@ -1,0 +1,257 @@
+"""The attention plan: which kernel computes attention, in which form, and why.
+
+`plan_attention` is the one place that chooses the kernel. It reads only
+static facts (shapes, dtypes, the backend and its device, which masks and
+options a call has) and returns a frozen `AttentionPlan`; the kernels in
+`keras_attn.ops.kernels` carry it out and decide nothing. Every rule a kernel
+imposes is written here once, each with its source:
+
+Correctness limits first. Where `flash_attention=True` asks for what they
+rule out, it raises (`refuse_flash`) rather than falling back.
+
+1. `flash_attention=False`: explicit.
+2. What no fused kernel computes (`fused_limits`): dropout on the weights
+   (training), returning the weights, values of another width than the keys,
+   soft-capped logits, float64 (Keras' fused op returns float32 for it on
+   JAX and PyTorch). Explicit; with `flash_attention=True`, a `ValueError`.
+3. `flash_attention=True`: fused (the backend raises where it has no fused
+   kernel for the inputs; on PyTorch its composite kernel is ruled out).
+4. TensorFlow: explicit. Keras has no fused TensorFlow kernel, and its op
+   fails for one key/value head and forms half-precision logits (which
+   overflow float16 to NaN).
+5. JAX on a CPU, with at least `CHUNKED_FROM` logits per batch row:
+   explicit, in chunks. XLA's CPU attention materializes the logits and keeps
+   them for the gradient (memory rule: `benchmarks/long_sequence.py`).
+6. Otherwise: fused, heads-major caches too: on PyTorch torch's own
+   `scaled_dot_product_attention` with torch's kernel choice, elsewhere
+   `keras.ops.dot_product_attention`.
+
+The form of a fused call:
+
+- Causal attention goes to the kernel as `is_causal` only when nothing else
+  masks it. With a mask, the causal mask is folded into it, so that rows left
+  empty by both are found (they give zeros). On PyTorch it is folded with a
+  bias too: torch's SDPA raises for `attn_mask` together with `is_causal`
+  (its documentation: "An error is thrown if both attn_mask and is_causal
+  are set"; on CUDA, not on a CPU: `../shared/gpu/FINDINGS.md`, section 1).
+- Grouped key/value heads reach the kernel unrepeated, except on PyTorch on a
+  GPU in float32: there `enable_gqa` runs only torch's composite kernel
+  (flash and cuDNN take half precision only, memory-efficient takes no
+  `enable_gqa`: torch's `sdp_utils.cpp`, FINDINGS.md section 1), which
+  materializes the logits; repeated heads run the memory-efficient kernel.
+
+The explicit path materializes the weights, unless it may go in chunks: no
+dropout, no returned weights, static lengths, and at least `CHUNKED_FROM`
+logits per batch row (`H * T * S`).
+
+No speed rule: none measured wins by 10%. Reading a heads-major cache in
+place in a decoding step was one; `benchmarks/dispatch.py` finds it level with
+the fused kernel on JAX and slower on PyTorch.
+"""
+
+import dataclasses
+
+import keras
+
+__all__ = [
+    "AttentionPlan",
+    "fused_limits",
+    "plan_attention",
+    "platform_of",
+    "refuse_flash",
+]
+
+# The explicit path goes in chunks of query rows from `CHUNKED_FROM` logits
+# per batch row (`H * T * S`: usually two chunks or more; 2,897 tokens for 8
+# heads), each chunk of about `CHUNK_LOGITS` logits (at least `MIN_CHUNK_ROWS`
+# rows), recomputed in the backward pass (`benchmarks/long_sequence.py`).
+# 2**25 float32 logits are 128 MiB per batch row. Chunks of 2**23 took about
+# twice as long on a CPU (skinny matmuls), and under 32 MiB (glibc's largest
+# threshold for memory it maps itself) they left each chunk's freed memory
+# resident on TensorFlow and PyTorch.
+CHUNKED_FROM = 2**26
+CHUNK_LOGITS = 2**25
+MIN_CHUNK_ROWS = 16
+
+KERNELS = ("fused", "materialized", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """How one attention call runs.
+
+    Attributes:
+        kernel: `"fused"` (the backend's fused kernel), `"materialized"` (the
+            explicit path, all weights at once) or `"chunked"` (the explicit
+            path in chunks of query rows).
+        is_causal: bool. The kernel applies the causal mask itself (a fused
+            kernel's `is_causal`); otherwise a causal mask, if any, is folded
+            into the boolean mask.
+        repeat_key_value_heads: bool. Grouped key/value heads are repeated to
+            the query heads before a fused kernel.
+        require_fused: bool. `flash_attention=True`: no fallback to a
+            composite kernel.
+        chunk_rows: int or `None`. Query rows per chunk (`"chunked"` only).
+        not_fused: tuple of str. Why no fused kernel runs (empty when one
+            does).
+    """
+
+    kernel: str
+    is_causal: bool = False
+    repeat_key_value_heads: bool = False
+    require_fused: bool = False
+    chunk_rows: int | None = None
+    not_fused: tuple = ()
+
+
+def plan_attention(
+    query_shape,
+    key_shape,
+    value_shape,
+    dtype,
+    *,
+    heads_major=False,
+    mask_shape=None,
+    bias_shape=None,
+    is_causal=False,
+    dropout=False,
+    return_scores=False,
+    logit_soft_cap=None,
+    flash_attention=None,
+    backend=None,
+    platform=None,
+):
+    """The `AttentionPlan` for one call (the rules: this module's docstring).
+
+    Args:
+        query_shape: `(B, T, H, D)`.
+        key_shape: `(B, S, K, D)`, or `(B, K, S, D)` with `heads_major`.
+        value_shape: the keys' shape with the value width last.
+        dtype: the query's dtype.
+        heads_major: bool. Keys and values are heads-major (caches).
+        mask_shape: shape of the rank-4 boolean mask, or `None`.
+        bias_shape: shape of the rank-4 float bias, or `None`.
+        is_causal: bool. Causal attention.
+        dropout: bool. Dropout on the weights (training).
+        return_scores: bool. The weights are returned.
+        logit_soft_cap: float or `None`.
+        flash_attention: `None`, `True` or `False`.
+        backend: Keras backend; defaults to the running one.
+        platform: `"cpu"`, `"gpu"` or `"tpu"` (see `platform_of`); defaults
+            to Keras' first device.
+
+    Returns:
+        An `AttentionPlan`.
+    """
+    backend = backend or keras.config.backend()
+    platform = platform or platform_of(None)
+    not_fused = fused_limits(
+        dropout=dropout,
+        return_scores=return_scores,
+        key_width=query_shape[-1],
+        value_width=value_shape[-1],
+        logit_soft_cap=logit_soft_cap,
+        dtype=dtype,
+    )
+    if not_fused and flash_attention:
+        refuse_flash(not_fused)
+    chunk_rows = None
+    if not (dropout or return_scores):
+        key_length = key_shape[2 if heads_major else 1]
+        chunk_rows = _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape)
+    if not flash_attention:
+        if flash_attention is False:
+            not_fused += ("flash_attention=False",)
+        elif backend == "tensorflow":
+            not_fused += ("no fused TensorFlow kernel in Keras",)
+        elif backend == "jax" and chunk_rows and platform == "cpu":
+            not_fused += ("XLA's CPU kernel materializes long sequences",)
+    if not_fused:
+        kernel = "chunked" if chunk_rows else "materialized"
+        return AttentionPlan(kernel, chunk_rows=chunk_rows, not_fused=not_fused)
+    masked = mask_shape is not None or (backend == "torch" and bias_shape is not None)
+    grouped = query_shape[2] != key_shape[1 if heads_major else 2]
+    return AttentionPlan(
+        "fused",
+        is_causal=is_causal and not masked,
+        repeat_key_value_heads=grouped
+        and backend == "torch"
+        and platform == "gpu"
+        and keras.backend.standardize_dtype(dtype) not in ("float16", "bfloat16"),
+        require_fused=bool(flash_attention),
+    )
+
+
+def fused_limits(
+    *,
+    dropout=False,
+    return_scores=False,
+    key_width=None,
+    value_width=None,
+    logit_soft_cap=None,
+    dtype=None,
+):
+    """What no fused kernel computes among what is asked: the reasons, in words
+    (empty when a fused kernel can)."""
+    reasons = {
+        "dropout on the attention weights": bool(dropout),
+        "returning the attention weights": bool(return_scores),
+        "values of another width than the keys' width": _differ(value_width, key_width),
+        "soft-capped logits": logit_soft_cap is not None,
+        "float64 inputs": dtype is not None
+        and keras.backend.standardize_dtype(dtype) == "float64",
+    }
+    return tuple(reason for reason, applies in reasons.items() if applies)
+
+
+def refuse_flash(reasons, received="", asked=None):
+    """Raise for `flash_attention=True` together with what only the explicit
+    path computes. `received`: the arguments that asked for it, as text;
+    `asked`: the call argument that needs the explicit path, if one does."""
+    lead = f"`{asked}` needs the explicit path, and " if asked else ""
+    received = f" Received: flash_attention=True, {received}." if received else ""
+    raise ValueError(
+        f"{lead}`flash_attention=True` needs the fused flash kernel, which "
+        f"cannot compute attention with {' or '.join(reasons)}.{received} Pass "
+        "`flash_attention=None` (fused where possible) or `False`."
+    )
+
+
+def _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape):
+    """Query rows per chunk of the explicit path, or `None` to materialize:
+    lengths and the masks' query axes must be static."""
+    length, heads = query_shape[1], query_shape[2]
+    broadcast = [shape[2:] for shape in (mask_shape, bias_shape) if shape is not None]
+    if not all(isinstance(n, int) for n in (length, heads, key_length)) or any(
+        None in shape for shape in broadcast
+    ):
+        return None
+    if heads * length * key_length < CHUNKED_FROM:
+        return None
+    return min(length, max(MIN_CHUNK_ROWS, CHUNK_LOGITS // (heads * key_length)))
+
+
+def platform_of(tensor):
+    """`"cpu"`, `"gpu"` or `"tpu"`: where a PyTorch `tensor` is, else where
+    Keras computes (its first device, asked once per process)."""
+    device = getattr(tensor, "device", None)
+    if keras.config.backend() == "torch" and hasattr(device, "type"):
+        return "gpu" if device.type == "cuda" else device.type
+    if "platform" not in _PLATFORM:
+        _PLATFORM["platform"] = _default_platform()
+    return _PLATFORM["platform"]
+
+
+_PLATFORM = {}
+
+
+def _default_platform():
+    if keras.config.backend() == "torch":  # no `keras.distribution` on PyTorch
+        device = keras.ops.convert_to_tensor(0.0).device.type
+    else:
+        device = keras.distribution.list_devices()[0].split(":")[0].lower()
+    return "gpu" if device == "cuda" else device
+
+
+def _differ(a, b):
+    return isinstance(a, int) and isinstance(b, int) and a != b
