@@ -131,8 +131,9 @@ class AttentionCall:
         return masks
 
 
-def check_shapes(attention_axes, query_shape, value_shape, key_shape):
-    """Raise unless the shapes fit together; return their `AttentionAxes`."""
+def check_shapes(layer, query_shape, value_shape, key_shape):
+    """Raise unless the shapes fit together and `layer`; return their
+    `AttentionAxes`."""
     rank = len(query_shape)
     if rank < 3:
         raise ValueError(
@@ -160,7 +161,7 @@ def check_shapes(attention_axes, query_shape, value_shape, key_shape):
                 f"The {name} width (last dimension) must be known. "
                 f"Received: {name}_shape={tuple(shape)}."
             )
-    axes = AttentionAxes(attention_axes, rank)
+    axes = AttentionAxes(layer.attention_axes, rank)
     if any(_differ(query_shape[a], value_shape[a]) for a in axes.batch):
         raise ValueError(
             "`query` and `value` must be equal on the axes that attention "
@@ -170,10 +171,18 @@ def check_shapes(attention_axes, query_shape, value_shape, key_shape):
     return axes
 
 
-def check_rope(rope_max_wavelength, rank, key_dim):
-    if rope_max_wavelength is None:
-        return
-    if rank != 3 or key_dim % 2:
+def check_heads(layer, rank, query_width):
+    """The head width: `key_dim`, or one that `num_heads` divides the query
+    width into; even with rotary positions."""
+    if layer.key_dim is None and query_width % layer.num_heads:
+        raise ValueError(
+            "`num_heads` must divide the query width when `key_dim` is not "
+            f"given. Received: num_heads={layer.num_heads}, "
+            f"query width={query_width}. Pass `key_dim` explicitly or choose "
+            "a divisor of the width."
+        )
+    key_dim = layer.key_dim or query_width // layer.num_heads
+    if layer.rope_max_wavelength is not None and (rank != 3 or key_dim % 2):
         raise ValueError(
             "Rotary position embeddings (`rope_max_wavelength`) need inputs "
             "of rank 3, (batch, length, width), and an even `key_dim` "

@@ -14,6 +14,7 @@ from keras_attn._checks import (
     check_width,
     get_keras_object,
 )
+from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._machinery import (
     ConfigCheck,
     clone_initializer,
@@ -240,6 +241,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
     def _attention_layers(self):
         raise NotImplementedError
 
+    @shared_docs
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
     ):
@@ -252,13 +254,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         a reloaded model has the same outputs and no adapters.
 
         Args:
-            rank: int. Rank of the adapters.
-            lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
-                Defaults to `rank`.
-            a_initializer: initializer of the down-projections. Defaults to
-                `"he_uniform"`.
-            b_initializer: initializer of the up-projections. Defaults to
-                `"zeros"` (so the block starts unchanged).
+            {lora_arguments}
 
         Example:
         >>> encoder = keras_attn.TransformerEncoder(intermediate_dim=16, num_heads=2)

@@ -1,6 +1,7 @@
 """Keras' machinery on keras_attn layers: configs that explain themselves on
 load, per-sublayer dtype policies, LoRA, and initializer clones."""
 
+import inspect
 import re
 
 import keras
@@ -26,6 +27,14 @@ class ConfigCheck:
     def from_config(cls, config):
         check_config(cls, config)
         return super().from_config(config)
+
+
+def call_arguments(layer, args, kwargs):
+    """The arguments of a call of `layer` by name, defaults included, as
+    Keras passes them to `compute_output_spec` (symbolic calls only)."""
+    bound = inspect.signature(layer.call).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def clone_initializer(initializer):

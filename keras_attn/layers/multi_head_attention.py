@@ -17,9 +17,10 @@ from keras_attn.layers._attention_axes import AttentionAxes
 from keras_attn.layers._attention_call import (
     AttentionCall,
     check_call,
-    check_rope,
+    check_heads,
     check_shapes,
 )
+from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._kv_cache import KeyValueCache
 from keras_attn.layers._machinery import (
     ConfigCheck,
@@ -247,11 +248,9 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         self.num_heads, self.dropout = num_heads, dropout
         options.apply(self)
         self.value_dim = check_positive_int("value_dim", value_dim, allow_none=True)
-        if self.flash_attention and _differ(self.value_dim or key_dim, key_dim):
-            refuse_flash(
-                fused_limits(key_width=key_dim, value_width=value_dim),
-                f"key_dim={key_dim}, value_dim={value_dim}",
-            )
+        limits = fused_limits(key_width=key_dim, value_width=self.value_dim or key_dim)
+        if self.flash_attention and limits:
+            refuse_flash(limits, f"key_dim={key_dim}, value_dim={value_dim}")
         # As in Keras: a public `output_shape` would shadow what `summary()` shows.
         self._output_shape = check_output_shape(output_shape, output_dim)
         self.attention_axes = normalize_attention_axes(attention_axes)
@@ -276,20 +275,9 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
     def build(self, query_shape, value_shape=None, key_shape=None):
         value_shape = query_shape if value_shape is None else value_shape
         key_shape = value_shape if key_shape is None else key_shape
-        axes = check_shapes(self.attention_axes, query_shape, value_shape, key_shape)
+        axes = check_shapes(self, query_shape, value_shape, key_shape)
         query_width = query_shape[-1]
-        if self.key_dim is None and query_width % self.num_heads:
-            raise ValueError(
-                "`num_heads` must divide the query width when `key_dim` is not "
-                f"given. Received: num_heads={self.num_heads}, "
-                f"query width={query_width}. Pass `key_dim` explicitly or choose "
-                "a divisor of the width."
-            )
-        check_rope(
-            self.rope_max_wavelength,
-            rank=len(query_shape),
-            key_dim=self.key_dim or query_width // self.num_heads,
-        )
+        check_heads(self, len(query_shape), query_width)
         self._axes = axes
         self._widths = {
             "query": query_width,
@@ -425,6 +413,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
 
     # --- Keras machinery ------------------------------------------------------
 
+    @shared_docs
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
     ):
@@ -438,13 +427,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         call `enable_lora` again to go on fine-tuning.
 
         Args:
-            rank: int. Rank of the adapters.
-            lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
-                Defaults to `rank`.
-            a_initializer: initializer of the down-projections. Defaults to
-                `"he_uniform"`.
-            b_initializer: initializer of the up-projections. Defaults to
-                `"zeros"` (so the layer starts unchanged).
+            {lora_arguments}
 
         Example:
         >>> attention = keras_attn.MultiHeadAttention(num_heads=2)
@@ -465,7 +448,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
     def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
         value_shape = query_shape if value_shape is None else value_shape
         key_shape = value_shape if key_shape is None else key_shape
-        check_shapes(self.attention_axes, query_shape, value_shape, key_shape)
+        check_shapes(self, query_shape, value_shape, key_shape)
         return (*query_shape[:-1], *(self._output_shape or query_shape[-1:]))
 
     def compute_output_spec(self, *args, **kwargs):
@@ -512,7 +495,3 @@ _KERAS_OBJECTS = (
     "kernel_constraint",
     "bias_constraint",
 )
-
-
-def _differ(a, b):
-    return isinstance(a, int) and isinstance(b, int) and a != b

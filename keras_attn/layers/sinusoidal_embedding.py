@@ -18,6 +18,7 @@ from keras_attn._checks import (
     concrete_value,
     get_keras_object,
 )
+from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._machinery import (
     ConfigCheck,
     clone_initializer,
@@ -277,6 +278,7 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         shape = self.compute_output_shape(inputs.shape)
         return keras.KerasTensor(shape, dtype=self.compute_dtype)
 
+    @shared_docs
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
     ):
@@ -287,13 +289,7 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         the table (Keras' behaviour).
 
         Args:
-            rank: int. Rank of the adapters.
-            lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
-                Defaults to `rank`.
-            a_initializer: initializer of the first factor. Defaults to
-                `"he_uniform"`.
-            b_initializer: initializer of the second factor. Defaults to
-                `"zeros"`.
+            {lora_arguments}
 
         Example:
         >>> embedding = keras_attn.SinusoidalEmbedding(vocabulary_size=10,

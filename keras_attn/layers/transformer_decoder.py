@@ -1,26 +1,15 @@
 """The Transformer decoder block: masked self-attention, cross-attention, FFN."""
 
-import dataclasses
-from typing import Any
-
 import keras
 
-from keras_attn._checks import (
-    call_checks_skipped,
-    check_bool,
-    check_broadcastable,
-    check_float,
-    check_index,
-    check_mask,
-    check_positions,
-    check_rank,
-    check_width,
-)
-from keras_attn.layers._attention_call import check_cache
-from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
+from keras_attn._checks import call_checks_skipped
+from keras_attn.layers._block import TransformerBlock, to_bool
+from keras_attn.layers._decoder_call import DecoderCall, check_decoder_call
+from keras_attn.layers._docs import shared_docs
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
+@shared_docs
 class TransformerDecoder(TransformerBlock):
     """One Transformer decoder block, encoder-decoder or decoder-only.
 
@@ -40,52 +29,14 @@ class TransformerDecoder(TransformerBlock):
     attention has `query_norm` and `key_norm` with `normalize_qk`.
 
     Args:
-        intermediate_dim: int. Hidden width of the feed-forward network.
-        num_heads: int. Number of attention heads; must divide the input width
-            unless `key_dim` is given.
-        dropout: float in [0, 1). Dropout on the attention weights, the
-            feed-forward hidden units and each residual branch. Defaults to `0.0`.
-        activation: activation of the feed-forward network. Defaults to `"relu"`.
-        layer_norm_epsilon: float > 0. Defaults to `1e-5`.
-        kernel_initializer: initializer of all kernels. Defaults to
-            `"glorot_uniform"`.
-        bias_initializer: initializer of all biases. Defaults to `"zeros"`.
-        normalize_first: bool. Pre-norm instead of post-norm. Defaults to
-            `False`.
-        key_dim: int, keyword only. Per-head width. Defaults to width //
-            `num_heads`.
-        num_key_value_heads: int, keyword only. Key/value heads for
-            grouped-query attention; must divide `num_heads`. Defaults to
-            `num_heads`.
-        flash_attention: `None`, `True` or `False`, keyword only; see
-            `keras_attn.MultiHeadAttention`. Defaults to `None`.
+        {block_arguments}
         use_gate: bool, keyword only. A sigmoid gate on each attention output;
             see `keras_attn.MultiHeadAttention`. Defaults to `False`.
         sliding_window: int, keyword only. In self-attention, each position
             attends only to positions less than `sliding_window` away (with
             the causal mask: itself and the `sliding_window - 1` before it).
             Defaults to `None`.
-        normalization: `"layer_norm"` (Keras' `LayerNormalization`) or
-            `"rms_norm"` (Keras' `RMSNormalization`, as in LLaMA), keyword
-            only. Defaults to `"layer_norm"`.
-        gated_feedforward: bool, keyword only. The gated network
-            `W_2 (activation(W_g x) * W_1 x)` (`feedforward_gate_dense` is
-            `W_g`): SwiGLU with `activation="silu"`, GeGLU with `"gelu"`.
-            Defaults to `False`.
-        use_bias: bool, keyword only. `False` drops every bias: the
-            projections', the feed-forward matrices' and the layer norms'
-            offsets (as LLaMA). Defaults to `True`.
-        normalize_qk: bool, keyword only. RMS-normalize queries and keys per
-            head before the dot product (Gemma 3), with
-            `layer_norm_epsilon`. Defaults to `False`.
-        logit_soft_cap: float, keyword only. Soft-cap the attention logits to
-            `cap * tanh(logits / cap)` (Gemma 2). Defaults to `None`.
-        rope_max_wavelength: float, keyword only. Rotary position embeddings
-            (Su et al. 2021) in self-attention, with this base; see
-            `keras_attn.ops.rotary_embedding`. Defaults to `None` (none).
-        rope_scaling_factor: float, keyword only. Positions are divided by it
-            (linear position interpolation). Defaults to `1.0`.
-        **kwargs: Base layer arguments (`name`, `dtype`, ...).
+        {block_options}
 
     Call arguments (keras-hub's order; the ones after `use_causal_mask`,
     `training` and `return_attention_scores` are keras_attn's own):
@@ -198,7 +149,7 @@ class TransformerDecoder(TransformerBlock):
             decoder_sequence_mask, encoder_sequence_mask,
         )  # fmt: skip
         if not call_checks_skipped():
-            self._check_call(args)
+            check_decoder_call(self, args)
         x, self_scores, self_attention_cache = self._attention_residual(
             decoder_sequence,
             self.self_attention,
@@ -304,112 +255,6 @@ class TransformerDecoder(TransformerBlock):
         cross = [self.cross_attention] if self._has_cross_attention else []
         return [self.self_attention] + cross
 
-    # --- Checks ---------------------------------------------------------------
-
-    def _check_call(self, args):
-        """Every argument of a call, before anything is computed."""
-        self._check_sequence(
-            "decoder_sequence", args.decoder_sequence, args.return_attention_scores
-        )
-        check_bool("use_causal_mask", args.use_causal_mask)
-        batch, target = args.decoder_sequence.shape[:2]
-        keys = self._check_self_attention_cache(args, batch, target)
-        check_mask("decoder_padding_mask", args.decoder_padding_mask, (batch, keys))
-        check_mask(
-            "decoder_attention_mask", args.decoder_attention_mask, (batch, target, keys)
-        )
-        check_broadcastable(
-            "decoder_attention_bias",
-            args.decoder_attention_bias,
-            (batch, self.num_heads, target, keys),
-            "(batch, num_heads, target_length, key_length)",
-        )
-        check_positions(args.positions, batch, target, self.rope_max_wavelength)
-        if self._has_cross_attention:
-            self._check_cross_attention(args, batch, target)
-        else:
-            self._check_no_cross_attention(args)
-
-    def _check_self_attention_cache(self, args, batch, target):
-        """Check the cache and its index; return the number of keys."""
-        cache, index = args.self_attention_cache, args.self_attention_cache_update_index
-        if (cache is None) != (index is None):
-            raise ValueError(
-                "`self_attention_cache` and `self_attention_cache_update_index` "
-                f"go together. Received: self_attention_cache={_describe(cache)}, "
-                f"self_attention_cache_update_index={index}."
-            )
-        if cache is None:
-            return target
-        check_cache(self.self_attention, cache, batch, "self_attention_cache")
-        check_index("self_attention_cache_update_index", index, target, cache.shape[3])
-        return cache.shape[3]
-
-    def _check_cross_attention(self, args, batch, target):
-        cache, index = (
-            args.cross_attention_cache,
-            args.cross_attention_cache_update_index,
-        )
-        sequence = args.encoder_sequence
-        if sequence is None and (cache is None or index is not None):
-            raise ValueError(
-                f"{self.name} was built with cross-attention (its first call "
-                "had an `encoder_sequence`), so every call needs one: call it "
-                "as `decoder(decoder_sequence, encoder_sequence)`. "
-                "Received: encoder_sequence=None."
-            )
-        if sequence is not None:
-            check_rank("encoder_sequence", sequence.shape, 3, "(batch, length, width)")
-            check_float("encoder_sequence", sequence)
-            check_width(
-                "encoder_sequence",
-                sequence.shape,
-                self.cross_attention._widths["value"],
-            )
-        source = None if sequence is None else sequence.shape[1]
-        if index is not None and cache is None:
-            raise ValueError(
-                "`cross_attention_cache_update_index` needs a "
-                "`cross_attention_cache`. Received: cross_attention_cache=None, "
-                f"cross_attention_cache_update_index={index}."
-            )
-        if cache is not None:
-            check_cache(self.cross_attention, cache, batch, "cross_attention_cache")
-            if index is not None:
-                check_index(
-                    "cross_attention_cache_update_index", index, source, cache.shape[3]
-                )
-            source = cache.shape[3]
-        check_mask("encoder_padding_mask", args.encoder_padding_mask, (batch, source))
-        check_mask(
-            "encoder_attention_mask",
-            args.encoder_attention_mask,
-            (batch, target, source),
-        )
-        check_broadcastable(
-            "encoder_attention_bias",
-            args.encoder_attention_bias,
-            (batch, self.num_heads, target, source),
-            "(batch, num_heads, target_length, source_length)",
-        )
-
-    def _check_no_cross_attention(self, args):
-        if args.encoder_sequence is not None:
-            raise ValueError(
-                f"{self.name} was built as a decoder-only block (its first call "
-                "had no `encoder_sequence`), so it has no cross-attention: call "
-                "it as `decoder(decoder_sequence)`, or use a new layer for an "
-                "encoder-decoder model. Received: encoder_sequence.shape="
-                f"{tuple(args.encoder_sequence.shape)}."
-            )
-        for name in _CROSS_ATTENTION_ARGUMENTS:
-            value = getattr(args, name)
-            if value is not None:
-                raise ValueError(
-                    f"`{name}` needs cross-attention, and this decoder-only "
-                    f"block has none. Received: {name}={_describe(value)}."
-                )
-
     # --- Keras machinery ------------------------------------------------------
 
     def compute_output_shape(self, decoder_sequence_shape, encoder_sequence_shape=None):
@@ -417,7 +262,7 @@ class TransformerDecoder(TransformerBlock):
 
     def compute_output_spec(self, *args, **kwargs):
         args = DecoderCall(*args, **kwargs)  # the arguments of `call`
-        self._check_call(args)
+        check_decoder_call(self, args)
         decoder_sequence = args.decoder_sequence
         self_attention_cache = args.self_attention_cache
         dtype = self.compute_dtype
@@ -445,57 +290,3 @@ class TransformerDecoder(TransformerBlock):
         attention = self.cross_attention
         shape = (batch, 2, attention._kv_heads, source, attention._head_dim)
         return source, keras.KerasTensor(shape, dtype=self.compute_dtype)
-
-
-_CROSS_ATTENTION_ARGUMENTS = (
-    "encoder_padding_mask",
-    "encoder_attention_mask",
-    "encoder_attention_bias",
-    "cross_attention_cache",
-    "cross_attention_cache_update_index",
-)
-
-
-@dataclasses.dataclass
-class DecoderCall:
-    """The arguments of a `TransformerDecoder` call, in `call`'s order, with
-    its padding masks resolved (`decoder_padding`, `encoder_padding`):
-    explicit masks take precedence over the inputs' Keras masks, and with a
-    self-attention cache the keys are the cache's positions (the decoder
-    input's mask covers only the new tokens)."""
-
-    decoder_sequence: Any
-    encoder_sequence: Any = None
-    decoder_padding_mask: Any = None
-    decoder_attention_mask: Any = None
-    encoder_padding_mask: Any = None
-    encoder_attention_mask: Any = None
-    self_attention_cache: Any = None
-    self_attention_cache_update_index: Any = None
-    cross_attention_cache: Any = None
-    cross_attention_cache_update_index: Any = None
-    use_causal_mask: bool = True
-    training: Any = None
-    return_attention_scores: bool = False
-    decoder_attention_bias: Any = None
-    encoder_attention_bias: Any = None
-    positions: Any = None
-    mask: Any = None
-    decoder_sequence_mask: Any = None
-    encoder_sequence_mask: Any = None
-    decoder_padding: Any = dataclasses.field(init=False)
-    encoder_padding: Any = dataclasses.field(init=False)
-
-    def __post_init__(self):
-        self.decoder_padding = self.decoder_padding_mask
-        if self.self_attention_cache is None:
-            self.decoder_padding = first_mask(
-                self.decoder_padding_mask, self.decoder_sequence_mask, self.mask
-            )
-        self.encoder_padding = first_mask(
-            self.encoder_padding_mask, self.encoder_sequence_mask
-        )
-
-
-def _describe(value):
-    return "None" if value is None else f"tensor of shape {tuple(value.shape)}"

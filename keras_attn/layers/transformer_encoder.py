@@ -4,9 +4,12 @@ import keras
 
 from keras_attn._checks import call_checks_skipped, check_broadcastable, check_mask
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
+from keras_attn.layers._docs import shared_docs
+from keras_attn.layers._machinery import call_arguments
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
+@shared_docs
 class TransformerEncoder(TransformerBlock):
     """One Transformer encoder block: self-attention and a feed-forward network.
 
@@ -26,50 +29,12 @@ class TransformerEncoder(TransformerBlock):
     `query_norm` and `key_norm` with `normalize_qk`.
 
     Args:
-        intermediate_dim: int. Hidden width of the feed-forward network.
-        num_heads: int. Number of attention heads; must divide the input width
-            unless `key_dim` is given.
-        dropout: float in [0, 1). Dropout on the attention weights, the
-            feed-forward hidden units and each residual branch. Defaults to `0.0`.
-        activation: activation of the feed-forward network. Defaults to `"relu"`.
-        layer_norm_epsilon: float > 0. Defaults to `1e-5`.
-        kernel_initializer: initializer of all kernels. Defaults to
-            `"glorot_uniform"`.
-        bias_initializer: initializer of all biases. Defaults to `"zeros"`.
-        normalize_first: bool. Pre-norm instead of post-norm. Defaults to
-            `False`.
-        key_dim: int, keyword only. Per-head width. Defaults to width //
-            `num_heads`.
-        num_key_value_heads: int, keyword only. Key/value heads for
-            grouped-query attention; must divide `num_heads`. Defaults to
-            `num_heads`.
-        flash_attention: `None`, `True` or `False`, keyword only; see
-            `keras_attn.MultiHeadAttention`. Defaults to `None`.
+        {block_arguments}
         use_gate: bool, keyword only. A sigmoid gate on the attention output;
             see `keras_attn.MultiHeadAttention`. Defaults to `False`.
         sliding_window: int, keyword only. Each position attends only to
             positions less than `sliding_window` away. Defaults to `None`.
-        normalization: `"layer_norm"` (Keras' `LayerNormalization`) or
-            `"rms_norm"` (Keras' `RMSNormalization`, as in LLaMA), keyword
-            only. Defaults to `"layer_norm"`.
-        gated_feedforward: bool, keyword only. The gated network
-            `W_2 (activation(W_g x) * W_1 x)` (`feedforward_gate_dense` is
-            `W_g`): SwiGLU with `activation="silu"`, GeGLU with `"gelu"`.
-            Defaults to `False`.
-        use_bias: bool, keyword only. `False` drops every bias: the
-            projections', the feed-forward matrices' and the layer norms'
-            offsets (as LLaMA). Defaults to `True`.
-        normalize_qk: bool, keyword only. RMS-normalize queries and keys per
-            head before the dot product (Gemma 3), with
-            `layer_norm_epsilon`. Defaults to `False`.
-        logit_soft_cap: float, keyword only. Soft-cap the attention logits to
-            `cap * tanh(logits / cap)` (Gemma 2). Defaults to `None`.
-        rope_max_wavelength: float, keyword only. Rotary position embeddings
-            (Su et al. 2021) in self-attention, with this base; see
-            `keras_attn.ops.rotary_embedding`. Defaults to `None` (none).
-        rope_scaling_factor: float, keyword only. Positions are divided by it
-            (linear position interpolation). Defaults to `1.0`.
-        **kwargs: Base layer arguments (`name`, `dtype`, ...).
+        {block_options}
 
     Call arguments:
         inputs: float tensor `(batch, length, width)`.
@@ -118,10 +83,10 @@ class TransformerEncoder(TransformerBlock):
         if not call_checks_skipped():
             self._check_call(
                 inputs,
-                padding_mask,
-                attention_mask,
-                attention_bias,
-                return_attention_scores,
+                padding_mask=padding_mask,
+                attention_mask=attention_mask,
+                attention_bias=attention_bias,
+                return_attention_scores=return_attention_scores,
             )
         padding_mask = to_bool(first_mask(padding_mask, inputs_mask, mask))
         x, scores, _ = self._attention_residual(
@@ -138,9 +103,17 @@ class TransformerEncoder(TransformerBlock):
         return (x, scores) if return_attention_scores else x
 
     def _check_call(
-        self, inputs, padding_mask, attention_mask, attention_bias, return_scores
+        self,
+        inputs,
+        padding_mask=None,
+        attention_mask=None,
+        attention_bias=None,
+        return_attention_scores=False,
+        **unchecked,
     ):
-        self._check_sequence("inputs", inputs, return_scores)
+        """The call's arguments, by name (`unchecked`: those with nothing to
+        check, e.g. `training`)."""
+        self._check_sequence("inputs", inputs, return_attention_scores)
         batch, length = inputs.shape[0], inputs.shape[1]
         check_mask("padding_mask", padding_mask, (batch, length))
         check_mask("attention_mask", attention_mask, (batch, length, length))
@@ -157,24 +130,11 @@ class TransformerEncoder(TransformerBlock):
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape)
 
-    def compute_output_spec(
-        self,
-        inputs,
-        padding_mask=None,
-        attention_mask=None,
-        training=None,
-        return_attention_scores=False,
-        attention_bias=None,
-        mask=None,
-        inputs_mask=None,
-    ):
-        self._check_call(
-            inputs,
-            padding_mask,
-            attention_mask,
-            attention_bias,
-            return_attention_scores,
-        )
+    def compute_output_spec(self, *args, **kwargs):
+        arguments = call_arguments(self, args, kwargs)
+        self._check_call(**arguments)
+        inputs = arguments["inputs"]
+        return_attention_scores = arguments["return_attention_scores"]
         output = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
         if not return_attention_scores:
             return output

@@ -1,0 +1,81 @@
+"""Text that several docstrings share, written once: the blocks' arguments
+and LoRA's. A docstring names a fragment on a line of its own, `{name}`, and
+`shared_docs` puts the text there, at that line's indentation."""
+
+import re
+import textwrap
+
+BLOCK_ARGUMENTS = """\
+intermediate_dim: int. Hidden width of the feed-forward network.
+num_heads: int. Number of attention heads; must divide the input width
+    unless `key_dim` is given.
+dropout: float in [0, 1). Dropout on the attention weights, the
+    feed-forward hidden units and each residual branch. Defaults to `0.0`.
+activation: activation of the feed-forward network. Defaults to `"relu"`.
+layer_norm_epsilon: float > 0. Defaults to `1e-5`.
+kernel_initializer: initializer of all kernels. Defaults to
+    `"glorot_uniform"`.
+bias_initializer: initializer of all biases. Defaults to `"zeros"`.
+normalize_first: bool. Pre-norm instead of post-norm. Defaults to
+    `False`.
+key_dim: int, keyword only. Per-head width. Defaults to width //
+    `num_heads`.
+num_key_value_heads: int, keyword only. Key/value heads for
+    grouped-query attention; must divide `num_heads`. Defaults to
+    `num_heads`.
+flash_attention: `None`, `True` or `False`, keyword only; see
+    `keras_attn.MultiHeadAttention`. Defaults to `None`.
+"""
+
+BLOCK_OPTIONS = """\
+normalization: `"layer_norm"` (Keras' `LayerNormalization`) or
+    `"rms_norm"` (Keras' `RMSNormalization`, as in LLaMA), keyword
+    only. Defaults to `"layer_norm"`.
+gated_feedforward: bool, keyword only. The gated network
+    `W_2 (activation(W_g x) * W_1 x)` (`feedforward_gate_dense` is
+    `W_g`): SwiGLU with `activation="silu"`, GeGLU with `"gelu"`.
+    Defaults to `False`.
+use_bias: bool, keyword only. `False` drops every bias: the
+    projections', the feed-forward matrices' and the layer norms'
+    offsets (as LLaMA). Defaults to `True`.
+normalize_qk: bool, keyword only. RMS-normalize queries and keys per
+    head before the dot product (Gemma 3), with
+    `layer_norm_epsilon`. Defaults to `False`.
+logit_soft_cap: float, keyword only. Soft-cap the attention logits to
+    `cap * tanh(logits / cap)` (Gemma 2). Defaults to `None`.
+rope_max_wavelength: float, keyword only. Rotary position embeddings
+    (Su et al. 2021) in self-attention, with this base; see
+    `keras_attn.ops.rotary_embedding`. Defaults to `None` (none).
+rope_scaling_factor: float, keyword only. Positions are divided by it
+    (linear position interpolation). Defaults to `1.0`.
+**kwargs: Base layer arguments (`name`, `dtype`, ...).
+"""
+
+LORA_ARGUMENTS = """\
+rank: int. Rank of the adapters.
+lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
+    Defaults to `rank`.
+a_initializer: initializer of the down-projections. Defaults to
+    `"he_uniform"`.
+b_initializer: initializer of the up-projections. Defaults to
+    `"zeros"` (so the adapted layer starts unchanged).
+"""
+
+_FRAGMENTS = {
+    "block_arguments": BLOCK_ARGUMENTS,
+    "block_options": BLOCK_OPTIONS,
+    "lora_arguments": LORA_ARGUMENTS,
+}
+
+
+def shared_docs(documented):
+    """Fill the `{fragment}` lines of `documented.__doc__` (a class or a
+    function); returns it."""
+
+    def fill(match):
+        return textwrap.indent(_FRAGMENTS[match.group(2)], match.group(1))
+
+    documented.__doc__ = re.sub(
+        r"^( *)\{(\w+)\}\n", fill, documented.__doc__, flags=re.MULTILINE
+    )
+    return documented
