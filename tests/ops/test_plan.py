@@ -1,0 +1,270 @@
+"""The attention plan: its rules as a table (any backend, any device, named),
+and the accelerators' documented kernel constraints held on a CPU by test
+doubles, so that a CPU run catches what only a GPU would."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_attn
+from keras_attn.ops import attention as attention_module
+from keras_attn.ops.plan import AttentionPlan, plan_attention
+
+BACKEND = keras.backend.backend()
+ON_TORCH = pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's SDPA rules")
+
+QUERY = (2, 5, 4, 8)  # (B, T, H, D)
+GROUPED = (2, 5, 2, 8)  # (B, S, K, D): two query heads per key/value head
+MASK = (2, 1, 5, 5)
+BIAS = (1, 4, 5, 5)
+LONG_QUERY = (1, 4096, 8, 8)  # 8 * 4096 * 4096 logits: chunked where explicit
+LONG_KEYS = (1, 4096, 8, 8)
+
+
+def plan(backend="jax", platform="gpu", dtype="float32", **kwargs):
+    query, key = kwargs.pop("shapes", (QUERY, GROUPED))
+    value = kwargs.pop("value", key)
+    return plan_attention(
+        query, key, value, dtype, backend=backend, platform=platform, **kwargs
+    )
+
+
+FUSED_FORMS = {
+    # name: (plan arguments, is_causal, repeat_key_value_heads)
+    "causal, nothing else: the kernel's is_causal": (
+        dict(is_causal=True),
+        True,
+        False,
+    ),
+    "causal with a mask: folded into it": (
+        dict(is_causal=True, mask_shape=MASK),
+        False,
+        False,
+    ),
+    "causal with a bias on torch: folded (torch raises for both)": (
+        dict(backend="torch", platform="cpu", is_causal=True, bias_shape=BIAS),
+        False,
+        False,
+    ),
+    "causal with a bias on JAX: the kernel's is_causal": (
+        dict(is_causal=True, bias_shape=BIAS),
+        True,
+        False,
+    ),
+    "grouped heads, torch, GPU, float32: repeated": (
+        dict(backend="torch"),
+        False,
+        True,
+    ),
+    "grouped heads, torch, GPU, bfloat16: unrepeated": (
+        dict(backend="torch", dtype="bfloat16"),
+        False,
+        False,
+    ),
+    "grouped heads, torch, CPU, float32: unrepeated": (
+        dict(backend="torch", platform="cpu"),
+        False,
+        False,
+    ),
+    "grouped heads, JAX, GPU, float32: unrepeated": (dict(), False, False),
+}
+
+
+@pytest.mark.parametrize("name", FUSED_FORMS)
+def test_fused_forms(name):
+    kwargs, is_causal, repeat = FUSED_FORMS[name]
+    chosen = plan(**kwargs)
+    assert chosen == AttentionPlan(
+        "fused", is_causal=is_causal, repeat_key_value_heads=repeat
+    )
+
+
+EXPLICIT = {
+    # name: (plan arguments, kernel, a word of the reason)
+    "flash_attention=False": (dict(flash_attention=False), "materialized", "False"),
+    "dropout": (dict(dropout=True), "materialized", "dropout"),
+    "returned weights": (dict(return_scores=True), "materialized", "returning"),
+    "soft cap": (dict(logit_soft_cap=30.0), "materialized", "soft-capped"),
+    "float64": (dict(dtype="float64"), "materialized", "float64"),
+    "values of another width": (
+        dict(value=GROUPED[:-1] + (3,)),
+        "materialized",
+        "width",
+    ),
+    "TensorFlow": (dict(backend="tensorflow"), "materialized", "TensorFlow"),
+    "TensorFlow, long": (
+        dict(backend="tensorflow", shapes=(LONG_QUERY, LONG_KEYS)),
+        "chunked",
+        "TensorFlow",
+    ),
+    "JAX on a CPU, long": (
+        dict(platform="cpu", shapes=(LONG_QUERY, LONG_KEYS)),
+        "chunked",
+        "XLA",
+    ),
+    "long with dropout: materialized": (
+        dict(dropout=True, shapes=(LONG_QUERY, LONG_KEYS)),
+        "materialized",
+        "dropout",
+    ),
+    "long of unknown length: materialized": (
+        dict(flash_attention=False, shapes=((1, None, 8, 8), (1, None, 8, 8))),
+        "materialized",
+        "False",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", EXPLICIT)
+def test_explicit_paths_and_why(name):
+    kwargs, kernel, reason = EXPLICIT[name]
+    chosen = plan(**kwargs)
+    assert chosen.kernel == kernel
+    assert any(reason in r for r in chosen.not_fused), chosen.not_fused
+    assert (chosen.chunk_rows is not None) == (kernel == "chunked")
+
+
+def test_long_sequences_stay_fused_where_a_kernel_streams_them():
+    for backend, platform in (("jax", "gpu"), ("torch", "cpu"), ("torch", "gpu")):
+        chosen = plan(backend, platform, shapes=(LONG_QUERY, LONG_KEYS))
+        assert chosen.kernel == "fused" and not chosen.not_fused
+
+
+@pytest.mark.parametrize(
+    "kwargs, refused",
+    [
+        (dict(dropout=True), "dropout"),
+        (dict(return_scores=True), "returning the attention weights"),
+        (dict(logit_soft_cap=30.0), "soft-capped logits"),
+        (dict(dtype="float64"), "float64 inputs"),
+    ],
+)
+def test_flash_attention_true_refuses_what_no_fused_kernel_computes(kwargs, refused):
+    with pytest.raises(ValueError, match=f"`flash_attention=True` needs.*{refused}"):
+        plan(flash_attention=True, **kwargs)
+
+
+def test_flash_attention_true_pins_a_fused_kernel():
+    assert plan(backend="tensorflow", flash_attention=True).require_fused
+
+
+# --- PyTorch's CUDA rules, on a CPU ---------------------------------------------
+
+
+@pytest.fixture
+def cuda_sdpa(monkeypatch):
+    """torch's `scaled_dot_product_attention` held to what it accepts on CUDA,
+    with the plan told that the tensors are on a GPU. Records each call.
+
+    The rules, with their sources:
+    - "An error is thrown if both attn_mask and is_causal are set" (torch's
+      documentation of `scaled_dot_product_attention`). A CPU accepts both; a
+      GPU raised (`../shared/gpu/FINDINGS.md`, section 1).
+    - `enable_gqa` runs fused on CUDA only in half precision: the flash and
+      cuDNN kernels take float16 and bfloat16 only, the memory-efficient one
+      takes no `enable_gqa` (torch's `sdp_utils.cpp`); float32 with it falls
+      to the composite kernel, which materializes the logits (FINDINGS.md,
+      section 1: kernel 0 on an H100).
+    """
+    import torch
+    from torch.nn import functional
+
+    original = functional.scaled_dot_product_attention
+    calls = []
+
+    def on_cuda(query, key, value, attn_mask=None, is_causal=False, **kwargs):
+        if attn_mask is not None and is_causal:
+            raise RuntimeError(
+                "Explicit attn_mask should not be set when is_causal=True"
+            )
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        if kwargs.get("enable_gqa") and not half:
+            raise RuntimeError(
+                f"enable_gqa in {query.dtype}: no fused CUDA kernel, the "
+                "composite one would materialize the logits"
+            )
+        calls.append({"key": tuple(key.shape), "is_causal": is_causal, **kwargs})
+        return original(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kwargs
+        )
+
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", on_cuda)
+    monkeypatch.setattr(attention_module, "platform_of", lambda tensor: "gpu")
+    return calls
+
+
+@ON_TORCH
+def test_the_cuda_double_refuses_what_cuda_refuses(cuda_sdpa):
+    """The double can fail: a mask with `is_causal`, and float32 `enable_gqa`."""
+    import torch
+    from torch.nn import functional
+
+    q, kv = torch.ones(1, 4, 3, 8), torch.ones(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="is_causal=True"):
+        functional.scaled_dot_product_attention(
+            q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True
+        )
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+
+
+def pair(layer_cls, *args, **kwargs):
+    """The layer, and one with the same weights on the explicit path."""
+    fused = layer_cls(*args, **kwargs)
+    explicit = layer_cls(*args, flash_attention=False, **kwargs)
+    return fused, explicit
+
+
+def same_numbers(fused, explicit, *inputs, **call_kwargs):
+    expected = explicit(*inputs, **call_kwargs)
+    fused.build(inputs[0].shape)
+    fused.set_weights(explicit.get_weights())
+    output = fused(*inputs, **call_kwargs)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(output),
+        keras.ops.convert_to_numpy(expected),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@ON_TORCH
+def test_causal_attention_with_a_bias_obeys_cudas_rule(cuda_sdpa):
+    """ALiBi (a bias) with the causal mask: the causal mask reaches the
+    kernel folded into the bias, never as `is_causal` beside it."""
+    x = np.random.default_rng(0).normal(size=(2, 5, 16)).astype("float32")
+    bias = keras_attn.ops.alibi_bias(4, 5, 5)
+    fused, explicit = pair(keras_attn.MultiHeadAttention, 4, key_dim=4)
+    same_numbers(fused, explicit, x, attention_bias=bias, use_causal_mask=True)
+    assert [call["is_causal"] for call in cuda_sdpa] == [False]
+
+
+@ON_TORCH
+def test_decoder_biases_obey_cudas_rule(cuda_sdpa):
+    """The GPU's failing case: a decoder block, causal, with a bias."""
+    x = np.random.default_rng(1).normal(size=(2, 5, 16)).astype("float32")
+    bias = keras_attn.ops.alibi_bias(2, 5, 5)
+    fused, explicit = pair(keras_attn.TransformerDecoder, 32, 2)
+    same_numbers(fused, explicit, x, decoder_attention_bias=bias)
+    assert len(cuda_sdpa) == 1
+
+
+@ON_TORCH
+def test_float32_grouped_heads_reach_cuda_repeated(cuda_sdpa):
+    x = np.random.default_rng(2).normal(size=(2, 5, 16)).astype("float32")
+    fused, explicit = pair(
+        keras_attn.MultiHeadAttention, 8, key_dim=4, num_key_value_heads=2
+    )
+    same_numbers(fused, explicit, x, use_causal_mask=True)
+    (call,) = cuda_sdpa
+    assert call["key"] == (2, 8, 5, 4) and not call["enable_gqa"]
+
+
+@ON_TORCH
+def test_half_precision_grouped_heads_reach_cuda_unrepeated(cuda_sdpa):
+    layer = keras_attn.MultiHeadAttention(
+        8, key_dim=4, num_key_value_heads=2, dtype="bfloat16"
+    )
+    layer(np.ones((2, 5, 16), "float32"), use_causal_mask=True)
+    (call,) = cuda_sdpa
+    assert call["key"] == (2, 2, 5, 4) and call["enable_gqa"]
