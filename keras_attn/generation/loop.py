@@ -97,14 +97,19 @@ class Generator(keras.Model):
 
     def _python_loop(self, state, size, numbers, on_token):
         """The segment's steps from Python (PyTorch, or to call `on_token`):
-        the index is a Python int, and `done` is read once per step."""
+        the index is a Python int. `done` is read back once per step where
+        end tokens can finish rows early; otherwise a step reads nothing back
+        to the host."""
         step = (
             (lambda state: self._step(state, numbers))
             if self.compiled_steps is None
             else self._compiled(size, state, numbers)
         )
         index = int(ops.convert_to_numpy(state["index"]))
-        while index < size and not ops.convert_to_numpy(ops.all(state["done"])):
+        ends = bool(self.settings.end_token_ids)
+        while index < size and not (
+            ends and ops.convert_to_numpy(ops.all(state["done"]))
+        ):
             state = step(state)
             if on_token is not None:
                 on_token(
