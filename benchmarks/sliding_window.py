@@ -14,7 +14,7 @@ and rolling caches interleaved; `benchmarks/timing.py`), and the
 self-attention cache memory at the last step, computed from the cache lengths
 `generate` allocates (`batch x 2 x kv_heads x positions x head_dim x 4 bytes`,
 summed over decoders: a full cache grows to the sequence length, a rolling one
-stays at the window; tests/test_generation.py checks those lengths).
+stays at the window; tests/generation/test_decoding.py checks those lengths).
 Untrained weights: the tokens are arbitrary, the work is not.
 
 Results go to `benchmarks/results/sliding_window_<backend>.md` (or

@@ -15,7 +15,8 @@ from keras_attn import (
     TransformerDecoder,
     TransformerEncoder,
 )
-from tests.helpers import REQUIRED_ARGUMENTS, VOCAB, random_floats, random_ids, to_numpy
+from tests.helpers.backend import to_numpy
+from tests.helpers.builders import REQUIRED_ARGUMENTS, VOCAB, random_floats, random_ids
 
 # Distinct sizes, so that a swapped axis cannot pass: batch, query/target
 # length, key/source length, width, value/source width.

@@ -7,7 +7,9 @@ import pytest
 
 import keras_attn
 from keras_attn import TransformerDecoder, TransformerEncoder
-from tests.helpers import masking_bias, random_floats, to_numpy
+from tests.helpers.backend import to_numpy
+from tests.helpers.builders import random_floats
+from tests.helpers.references import masking_bias
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from keras_attn import MultiHeadAttention, TransformerDecoder, TransformerEncoder
-from tests.helpers import random_floats, run_layer_contract, to_numpy
+from tests.helpers.backend import to_numpy
+from tests.helpers.builders import random_floats
+from tests.helpers.contract import run_layer_contract
 
 PARITY = dict(atol=1e-5, rtol=1e-5)
 WIDTH, HEADS, KV_HEADS, HIDDEN = 16, 4, 2, 24

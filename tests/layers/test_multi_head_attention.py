@@ -9,15 +9,10 @@ import pytest
 
 import keras_attn
 from keras_attn import MultiHeadAttention, TransformerDecoder, TransformerEncoder
-from tests.helpers import (
-    BACKEND,
-    attention_reference,
-    has_fused_kernel,
-    masking_bias,
-    random_floats,
-    run_layer_contract,
-    to_numpy,
-)
+from tests.helpers.backend import BACKEND, has_fused_kernel, to_numpy
+from tests.helpers.builders import random_floats
+from tests.helpers.contract import run_layer_contract
+from tests.helpers.references import attention_reference, masking_bias
 
 B, TQ, TK, WIDTH = 3, 5, 7, 12
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
@@ -488,20 +483,26 @@ ON_TORCH = pytest.mark.skipif(
 @pytest.mark.parametrize("padding", [False, True])
 def test_torch_receives_causal_grouped_attention_in_its_own_form(sdpa_calls, padding):
     """Causal without padding is `is_causal=True` and no mask; grouped heads
-    arrive unrepeated; no kernel is pinned; a padding mask keeps a fused
-    kernel (torch's CPU flash kernel here)."""
+    arrive unrepeated (but on a GPU in float32, where the plan repeats them:
+    `tests/ops/test_plan.py`); no kernel is pinned; a padding mask keeps a
+    fused kernel (torch's CPU flash kernel here)."""
     from torch.nn.attention import SDPBackend
+
+    from keras_attn.ops.plan import platform_of
 
     layer = MultiHeadAttention(8, key_dim=4, num_key_value_heads=2)
     x = random_floats(2, 5, 16)
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool) if padding else None
     layer(x, query_mask=mask, use_causal_mask=True)
     (call,) = sdpa_calls
-    assert (call["query"], call["key"]) == ((2, 8, 5, 4), (2, 2, 5, 4))
-    assert call["enable_gqa"] and not call["pinned"]
+    repeated = platform_of(keras.ops.convert_to_tensor(x)) == "gpu"
+    key_heads = 8 if repeated else 2
+    assert (call["query"], call["key"]) == ((2, 8, 5, 4), (2, key_heads, 5, 4))
+    assert call["enable_gqa"] is not repeated and not call["pinned"]
     assert call["is_causal"] is not padding
     assert (call["attn_mask"] is None) is not padding
-    assert call["kernel"] == SDPBackend.FLASH_ATTENTION.value
+    if not repeated:  # on a GPU, the memory-efficient or cuDNN kernel
+        assert call["kernel"] == SDPBackend.FLASH_ATTENTION.value
 
 
 @ON_TORCH

@@ -14,14 +14,9 @@ from keras_attn import (
     TransformerDecoder,
     TransformerEncoder,
 )
-from tests.helpers import (
-    VOCAB,
-    attention_reference,
-    random_floats,
-    random_ids,
-    reference_encoding,
-    to_numpy,
-)
+from tests.helpers.backend import to_numpy
+from tests.helpers.builders import VOCAB, random_floats, random_ids
+from tests.helpers.references import attention_reference, reference_encoding
 
 # Key length 1 is a case like any other here.
 pytestmark = pytest.mark.filterwarnings("ignore:You are using a softmax over axis -1")

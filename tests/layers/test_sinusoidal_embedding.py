@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 
 from keras_attn import SinusoidalEmbedding, TransformerDecoder
-from tests.helpers import (
-    EPS32,
-    VOCAB,
-    padded_ids,
-    random_floats,
-    reference_encoding,
-    run_layer_contract,
-    to_numpy,
-)
+from tests.helpers.backend import to_numpy
+from tests.helpers.builders import VOCAB, padded_ids, random_floats
+from tests.helpers.contract import run_layer_contract
+from tests.helpers.references import EPS32, reference_encoding
 
 
 def test_layer_contract_token_ids(tmp_path):

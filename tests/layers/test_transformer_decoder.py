@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from keras_attn import SinusoidalEmbedding, TransformerDecoder
-from tests.helpers import random_floats, run_layer_contract, to_numpy
+from tests.helpers.backend import to_numpy
+from tests.helpers.builders import random_floats
+from tests.helpers.contract import run_layer_contract
 
 B, T, S, WIDTH = 3, 5, 7, 12
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from keras_attn import SinusoidalEmbedding, TransformerEncoder
-from tests.helpers import random_floats, run_layer_contract, to_numpy
+from tests.helpers.backend import to_numpy
+from tests.helpers.builders import random_floats
+from tests.helpers.contract import run_layer_contract
 
 B, T, WIDTH = 3, 7, 12
 

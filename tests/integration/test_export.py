@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import keras_attn
-from tests.helpers import BACKEND
+from tests.helpers.backend import BACKEND
 
 VOCAB = 50
 DYNAMIC = [keras.InputSpec(shape=(None, None), dtype="int32", name="token_ids")]

@@ -14,13 +14,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import BACKEND
+from tests.helpers.backend import BACKEND
+from tests.helpers.processes import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.processes  # the examples run as programs
+
 PERCENT = r"\d{1,3}\.\d%"
 # Keras' progress bar redraws with backspaces and ANSI escape sequences.
 REDRAW = re.compile(r"\x08|\x1b\[")

@@ -19,15 +19,16 @@ turns the rounding noise of the key biases' gradient, zero in exact arithmetic
 import json
 import re
 import time
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 
-from tests.helpers import BACKEND, finish_process, start_process, stop_process
+from tests.helpers.backend import BACKEND
+from tests.helpers.processes import ROOT, finish_process, start_process, stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.processes  # every test reads the runs of the example
+
 EXAMPLE = "examples/distributed_training.py"
 TINY = [
     "--steps=3",

@@ -1,50 +1,22 @@
 """`generate`'s controls: end-token lists, new-token counts, the repetition
-penalty, scores, streaming, counter-based sampling across backends, the
-compiled-loop cache, `(prefill, step)` functions, and the reported bugs."""
+penalty, scores, streaming, the compiled-loop cache, `(prefill, step)`
+functions, and the forms of prompts."""
 
-import json
-import os
-import subprocess
-import sys
-import time
-import warnings
-
-import keras
 import numpy as np
 import pytest
 from keras import ops
 
-import keras_attn
 from keras_attn import generation
 from keras_attn.generation import generate
-from keras_attn.generation.strategies import counter_uniform
-from tests.helpers import (
-    counter_uniform_reference,
-    decoder_only_model,
-    naive_greedy,
-    reference_decode,
-    to_numpy,
-)
+from tests.helpers.builders import GENERATION_VOCAB as VOCAB
+from tests.helpers.builders import GENERATION_WIDTH as WIDTH
+from tests.helpers.builders import decoder_only_model, one_decoder_model
+from tests.helpers.references import naive_greedy, reference_decode
 
-VOCAB, WIDTH = 13, 16
 # Most tests decode these rows to 12 (9 new tokens), so they share one
 # compiled loop per method and end-token set.
 PROMPTS = np.array([[3, 4, 5], [6, 7, 8]], "int32")
 LENGTH = 12
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_model(seed=0, head=None):
-    """One decoder: `(model, its ids input, its logits tensor)`; `head`, a
-    layer, goes after the logits."""
-    keras.utils.set_random_seed(seed)
-    ids = keras.Input((None,), dtype="int32", name="ids")
-    x = keras_attn.SinusoidalEmbedding(
-        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
-    )(ids)
-    x = keras_attn.TransformerDecoder(32, 4)(x)
-    logits = keras.layers.Dense(VOCAB)(x)
-    return keras.Model(ids, head(logits) if head else logits), ids, logits
 
 
 def stopping_pair(new):
@@ -80,6 +52,7 @@ def decoding():
 
 @pytest.fixture(scope="module")
 def gpt(decoding):
+    """Here, the model of `decoding` (not tests/generation/conftest.py's)."""
     return decoding[0]
 
 
@@ -202,95 +175,13 @@ def test_on_token_streams_every_new_column(gpt, method):
     )
 
 
-# --- Counter-based sampling: the same draws on every backend -------------------
-
-
-@pytest.mark.parametrize("seed", [0, 1, 7, 12345, 2**31 - 1])
-def test_counter_uniform_equals_its_uint32_reference(seed):
-    rows = np.arange(11, dtype="int32")
-    for step in (0, 1, 5, 300, 2**20 + 3):
-        actual = to_numpy(
-            counter_uniform(
-                ops.convert_to_tensor(np.int32([seed])),
-                ops.convert_to_tensor(rows),
-                ops.convert_to_tensor(np.int32(step)),
-            )
-        )
-        np.testing.assert_array_equal(
-            actual, counter_uniform_reference(seed, rows, step).astype("float32")
-        )
-
-
-def test_counter_uniform_looks_uniform():
-    rows = ops.convert_to_tensor(np.arange(10_000, dtype="int32"))
-    draws = to_numpy(counter_uniform(ops.convert_to_tensor(np.int32([3])), rows, 5))
-    assert np.all((draws >= 0) & (draws < 1))
-    assert abs(draws.mean() - 0.5) < 0.01
-    assert len(np.unique(draws)) > 9_900  # distinct counters, distinct draws
-    histogram, _ = np.histogram(draws, bins=10, range=(0, 1))
-    assert histogram.min() > 900 and histogram.max() < 1100
-
-
-SAMPLE = dict(method="sample", seed=7, top_k=5, temperature=0.8)
-SAMPLE_SCRIPT = f"""
-import json, sys
-import keras, numpy as np
-import keras_attn
-from keras_attn.generation import generate
-model = keras.models.load_model(sys.argv[1])
-prompts = np.array({PROMPTS.tolist()}, "int32")
-print(json.dumps(generate(model, prompts, {LENGTH}, **{SAMPLE}).tolist()))
-"""
-
-
-@pytest.mark.skipif(
-    keras.config.backend() != "jax",
-    reason="one run covers every backend: TensorFlow and PyTorch in subprocesses, "
-    "from the JAX run",
-)
-def test_sampling_draws_the_same_tokens_on_every_backend(tmp_path):
-    """A saved model samples the same tokens on JAX (here), TensorFlow and
-    PyTorch (subprocesses, run meanwhile)."""
-    model, _, _ = tiny_model(seed=4)
-    path = str(tmp_path / "tiny.keras")
-    model.save(path)
-    processes = {
-        backend: subprocess.Popen(
-            [sys.executable, "-c", SAMPLE_SCRIPT, path],
-            env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for backend in ("tensorflow", "torch")
-    }
-    deadline = time.monotonic() + 300
-    try:
-        results = {
-            "jax": generate(keras.models.load_model(path), PROMPTS, LENGTH, **SAMPLE)
-        }
-        for backend, process in processes.items():
-            out, err = process.communicate(timeout=deadline - time.monotonic())
-            assert process.returncode == 0, (backend, err[-3000:])
-            results[backend] = np.array(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    assert results["jax"].shape == (2, LENGTH)
-    for backend in ("tensorflow", "torch"):
-        np.testing.assert_array_equal(results[backend], results["jax"], backend)
-
-
 # --- The compiled-loop cache ----------------------------------------------------
 
 
 def test_new_numbers_compile_nothing():
     """The compiled loop (on PyTorch, the exported step) is traced once: new
     numbers are inputs. It equals the eager loop, and sees new weights."""
-    model, _, _ = tiny_model(seed=5)
+    model, _, _ = one_decoder_model(VOCAB, WIDTH, seed=5)
     compiled = dict(method="sample", jit_compile=True)
     eager = dict(seed=1, temperature=0.7, top_k=3, repetition_penalty=1.1)
     first = generate(model, PROMPTS, LENGTH, **eager, **compiled)
@@ -364,53 +255,7 @@ def test_prefill_and_step_closures_read_the_current_weights():
         assert row.tolist() == naive_greedy(model, prompt, 8)
 
 
-# --- The reported bugs ----------------------------------------------------------
-
-
-def test_a_decoder_called_without_its_causal_mask_is_refused():
-    ids = keras.Input((None,), dtype="int32")
-    x = keras_attn.SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=WIDTH)(ids)
-    x = keras_attn.TransformerDecoder(32, 4, name="bidirectional")(
-        x, use_causal_mask=False
-    )
-    model = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
-    with pytest.raises(ValueError, match="bidirectional.*use_causal_mask=False"):
-        generate(model, PROMPTS, 6)
-
-
-def test_decoder_calls_and_heads_a_step_cannot_reproduce_are_refused():
-    """A decoder given a bias or mask tensor (a step could not be given it),
-    and a head that normalizes across positions."""
-    ids = keras.Input((None,), dtype="int32")
-    bias = keras.Input((None, None), name="bias")
-    x = keras_attn.SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=WIDTH)(ids)
-    y = keras_attn.TransformerDecoder(32, 4, name="biased")(
-        x, decoder_attention_bias=bias
-    )
-    model = keras.Model([ids, bias], keras.layers.Dense(VOCAB)(y))
-    with pytest.raises(ValueError, match=r"biased.*\['decoder_attention_bias'\]"):
-        generate(model, [PROMPTS, np.zeros((2, 3, 3), "float32")], 6)
-    y = keras_attn.TransformerDecoder(32, 4)(x)
-    head = keras.layers.Softmax(axis=1, name="across_positions")
-    model = keras.Model(ids, head(keras.layers.Dense(VOCAB)(y)))
-    with pytest.raises(ValueError, match="across_positions"):
-        generate(model, PROMPTS, 6)
-
-
-def test_a_softmax_head_decodes_and_warns_once_before_sampling():
-    """Greedy through the softmax equals greedy on the logits before it;
-    sampling reads probabilities as logits, which warns, once per model."""
-    model, ids, logits = tiny_model(seed=6, head=keras.layers.Softmax())
-    tokens = generate(model, PROMPTS, LENGTH)
-    np.testing.assert_array_equal(
-        tokens, generate(keras.Model(ids, logits), PROMPTS, LENGTH)
-    )
-    with pytest.warns(UserWarning, match="softmax"):
-        generate(model, PROMPTS, LENGTH, "sample", seed=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        generate(model, PROMPTS, LENGTH, "sample", seed=2)
-    assert not [w for w in caught if "softmax" in str(w.message)]
+# --- Prompts ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -422,36 +267,3 @@ def test_nested_list_prompts(gpt, greedy, prompt):
     tokens = generate(gpt, prompt, LENGTH)
     assert tokens.shape == (1, LENGTH)
     np.testing.assert_array_equal(tokens[0], greedy[0])  # PROMPTS[0] == [3, 4, 5]
-
-
-def add_of_positions_model():
-    """Token embedding plus a sinusoid of it, summed by an `Add`."""
-    ids = keras.Input((None,), dtype="int32")
-    tokens = keras.layers.Embedding(VOCAB, WIDTH)(ids)
-    positions = keras_attn.SinusoidalEmbedding()(tokens)
-    return keras.layers.Add(name="token_plus_position")([tokens, positions]), ids
-
-
-def keras_hub_model():
-    keras_hub = pytest.importorskip("keras_hub")
-    ids = keras.Input((None,), dtype="int32")
-    embedding = keras_hub.layers.TokenAndPositionEmbedding(
-        VOCAB, 16, WIDTH, name="token_and_position"
-    )
-    return embedding(ids), ids
-
-
-@pytest.mark.parametrize(
-    "build, name",
-    [
-        (add_of_positions_model, "token_plus_position"),
-        (keras_hub_model, "token_and_position"),
-    ],
-    ids=["Add", "TokenAndPositionEmbedding"],
-)
-def test_unsupported_token_embeddings_are_named(build, name):
-    x, ids = build()
-    x = keras_attn.TransformerDecoder(32, 4)(x)
-    model = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
-    with pytest.raises(ValueError, match=f"(?s){name}.*SinusoidalEmbedding"):
-        generate(model, PROMPTS, 6)

@@ -5,15 +5,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks import memory, timing
-from tests.helpers import BACKEND
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.backend import BACKEND
+from tests.helpers.processes import ROOT
 
 
 def fake_clock(durations):
@@ -67,6 +65,7 @@ def test_peak_growth_sees_memory_freed_before_it_returns():
     assert small < 16 * 2**20
 
 
+@pytest.mark.processes
 def test_in_fresh_process_runs_a_benchmark_function_with_its_arguments():
     result = memory.in_fresh_process(_describe_in_child, 7, backend="numpy")
     assert result["describe"] == "median of 7 calls after 1 warm-up call"
@@ -84,6 +83,7 @@ def _describe_in_child(calls):
     }
 
 
+@pytest.mark.processes
 def test_gpu_benchmark_smoke_run_names_the_device_and_writes_three_tables(tmp_path):
     """`benchmarks/gpu.py` at tiny sizes on this backend's CPU (no Inductor
     compiles: a minute each here); on TensorFlow, which the GPU machine has no

@@ -18,13 +18,8 @@ from keras_attn import (
     TransformerDecoder,
     TransformerEncoder,
 )
-from tests.helpers import (
-    BACKEND,
-    REQUIRED_ARGUMENTS,
-    VOCAB,
-    padded_ids,
-    to_numpy,
-)
+from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.builders import REQUIRED_ARGUMENTS, VOCAB, padded_ids
 
 
 def all_layers():

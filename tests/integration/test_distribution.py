@@ -3,10 +3,11 @@
 The layout rules are checked in this process, on every backend. Training on
 several devices runs in subprocesses, so that this process keeps its one device:
 
-- `python -m tests.test_distribution jax OUT`: 8 virtual CPU devices,
-  `keras.distribution` (which places arrays on JAX only), in the JAX run;
-- `python -m tests.test_distribution tensorflow OUT`: 2 logical CPU devices,
-  `tf.distribute.MirroredStrategy`, in the TensorFlow run.
+- `python -m tests.integration.test_distribution jax OUT`: 8 virtual CPU
+  devices, `keras.distribution` (which places arrays on JAX only), in the JAX
+  run;
+- `python -m tests.integration.test_distribution tensorflow OUT`: 2 logical
+  CPU devices, `tf.distribute.MirroredStrategy`, in the TensorFlow run.
 
 Each writes its numbers to OUT once per session; the tests check them.
 """
@@ -23,9 +24,9 @@ import pytest
 
 import keras_attn
 from keras_attn.distribution import get_layout_map
-from tests.helpers import BACKEND, finish_process, start_process, stop_process
+from tests.helpers.backend import BACKEND
+from tests.helpers.processes import ROOT, finish_process, start_process, stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB, WIDTH, HEADS, INTERMEDIATE = 13, 16, 4, 24
 SOURCE_LENGTH, TARGET_LENGTH, BATCH, STEPS = 7, 5, 8, 3
 MESH = (2, 4)  # ("batch", "model")
@@ -456,7 +457,7 @@ def jax_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("jax_8_devices")
     flags = os.environ.get("XLA_FLAGS", "")
     checks = start(
-        ["-m", "tests.test_distribution", "jax", out],
+        ["-m", "tests.integration.test_distribution", "jax", out],
         KERAS_BACKEND="jax",
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8",
     )
@@ -486,6 +487,7 @@ def assert_same_training(results, arrays, name, reference="single"):
         )
 
 
+@pytest.mark.processes
 @JAX_ONLY
 def test_data_parallel_on_8_devices_trains_like_one_device(jax_run):
     _, results, arrays = jax_run
@@ -495,12 +497,14 @@ def test_data_parallel_on_8_devices_trains_like_one_device(jax_run):
         assert spec == [None] * len(spec), path  # Replicated.
 
 
+@pytest.mark.processes
 @JAX_ONLY
 def test_model_parallel_on_2x4_devices_trains_like_one_device(jax_run):
     _, results, arrays = jax_run
     assert_same_training(results, arrays, "model")
 
 
+@pytest.mark.processes
 @JAX_ONLY
 def test_model_parallel_shards_weights_and_optimizer_variables(jax_run):
     _, results, _ = jax_run
@@ -513,6 +517,7 @@ def test_model_parallel_shards_weights_and_optimizer_variables(jax_run):
     assert momentums and all(momentums[path] == specs[path] for path in momentums)
 
 
+@pytest.mark.processes
 @JAX_ONLY
 def test_grouped_query_model_rules_on_2x4_devices(jax_run):
     _, results, _ = jax_run
@@ -525,6 +530,7 @@ def test_grouped_query_model_rules_on_2x4_devices(jax_run):
     assert grouped["max_difference"] < 1e-5
 
 
+@pytest.mark.processes
 @JAX_ONLY
 def test_model_trained_in_parallel_loads_on_one_device(jax_run):
     out, _, arrays = jax_run
@@ -543,12 +549,15 @@ def test_model_trained_in_parallel_loads_on_one_device(jax_run):
     )
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     BACKEND != "tensorflow",
     reason="tf.distribute needs the TensorFlow backend; runs in its run of the suite",
 )
 def test_mirrored_strategy_on_2_devices_trains_like_one_device(tmp_path):
-    process = start(["-m", "tests.test_distribution", "tensorflow", tmp_path])
+    process = start(
+        ["-m", "tests.integration.test_distribution", "tensorflow", tmp_path]
+    )
     finish(process)
     results, arrays = results_in(tmp_path)
     assert results["mirrored"]["replicas"] == 2
@@ -556,7 +565,8 @@ def test_mirrored_strategy_on_2_devices_trains_like_one_device(tmp_path):
     assert_same_training(results, arrays, "mirrored")
 
 
-# The subprocesses: `python -m tests.test_distribution jax|tensorflow OUT`.
+# The subprocesses:
+# `python -m tests.integration.test_distribution jax|tensorflow OUT`.
 
 
 def spec(variable):

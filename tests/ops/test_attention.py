@@ -1,5 +1,6 @@
-"""The functions of keras_attn.ops: the sinusoid, masks, ALiBi, and the one
-attention dispatcher (its table, masks of every rank, empty rows)."""
+"""`keras_attn.ops.dot_product_attention`, the one attention dispatcher:
+against its float64 formula (masks of every rank, soft caps, empty rows), its
+dispatch table, float64 inputs, and the chunked explicit path."""
 
 import contextlib
 
@@ -10,84 +11,14 @@ import pytest
 import keras_attn
 from keras_attn import ops as attn_ops
 from keras_attn.ops import plan
-from tests.helpers import (
+from tests.helpers.backend import (
     BACKEND,
-    EPS32,
-    dot_product_reference,
     has_accelerator,
-    random_floats,
-    reference_encoding,
-    rotary_reference,
     to_numpy,
     value_and_gradients,
 )
-
-
-@pytest.mark.parametrize(
-    "length, dim, max_wavelength, start",
-    [
-        (7, 16, 10000.0, 0),
-        (4096, 33, 10000.0, 0),
-        (50, 9, 500.0, 3000),
-        (1, 1, 10.0, 0),
-    ],
-)
-def test_sinusoid_matches_the_formula(length, dim, max_wavelength, start):
-    table = to_numpy(
-        attn_ops.sinusoidal_position_encoding(length, dim, max_wavelength, start)
-    )
-    expected, angles = reference_encoding(length, dim, max_wavelength, start)
-    assert table.dtype == np.float32 and table.shape == (length, dim)
-    # Float32 angles carry at most ~2 roundings (frequency, product) of error.
-    bound = 3 * EPS32 * np.abs(angles) + 2e-7
-    assert np.all(np.abs(table - expected) <= bound)
-    # Where angles are small, that is exact to float32 precision.
-    small = np.abs(angles) < 8
-    np.testing.assert_allclose(table[small], expected[small], atol=1e-6)
-
-
-def test_sinusoid_interleaves_sin_and_cos():
-    table = to_numpy(attn_ops.sinusoidal_position_encoding(3, 4))
-    np.testing.assert_allclose(table[0], [0.0, 1.0, 0.0, 1.0], atol=1e-7)
-    np.testing.assert_allclose(
-        table[2], [np.sin(2), np.cos(2), np.sin(2 / 100), np.cos(2 / 100)], atol=1e-6
-    )
-
-
-@pytest.mark.parametrize(
-    "positions, dim, max_wavelength, scaling_factor",
-    [
-        (np.arange(7), 8, 10000.0, 1.0),
-        (np.arange(8192), 64, 10000.0, 1.0),  # long contexts
-        (np.arange(8192), 16, 500000.0, 8.0),  # LLaMA 3's base, interpolated
-        (np.array([[0, 1, 2], [5, 6, 7]]), 4, 100.0, 1.0),  # per row
-    ],
-)
-def test_rotary_embedding_matches_the_formula(
-    positions, dim, max_wavelength, scaling_factor
-):
-    x = random_floats(2, positions.shape[-1], 3, dim).astype(np.float64)
-    rotated = to_numpy(
-        attn_ops.rotary_embedding(
-            x.astype("float32"), positions, max_wavelength, scaling_factor
-        )
-    )
-    expected, angles = rotary_reference(x, positions, max_wavelength, scaling_factor)
-    assert rotated.dtype == np.float32 and rotated.shape == x.shape
-    # Float32 angles carry ~2 roundings (frequency, product); each output sums
-    # two products of |x| <= max|x| with the cosine and the sine.
-    bound = 2 * np.max(np.abs(x)) * (3 * EPS32 * np.abs(angles) + 2e-7) + 1e-6
-    assert np.all(np.abs(rotated - expected) <= bound)
-    small = np.broadcast_to(np.abs(angles) < 8, x.shape)
-    np.testing.assert_allclose(rotated[small], expected[small], atol=2e-6)
-
-
-def test_rotary_embedding_bad_types():
-    x = random_floats(1, 3, 2, 4)
-    with pytest.raises(TypeError, match=r"max_wavelength='1e4' of type str"):
-        attn_ops.rotary_embedding(x, np.arange(3), max_wavelength="1e4")
-    # numpy scalars are numbers
-    attn_ops.rotary_embedding(x, np.arange(3), max_wavelength=np.float32(1e4))
+from tests.helpers.builders import random_floats
+from tests.helpers.references import dot_product_reference
 
 
 def test_soft_capped_attention_matches_the_formula():
@@ -108,66 +39,6 @@ def test_soft_capped_attention_matches_the_formula():
         attn_ops.dot_product_attention(
             q, k, v, flash_attention=True, logit_soft_cap=2.0
         )
-
-
-def test_rotary_embedding_keeps_norms_and_half_precision():
-    x = random_floats(1, 5, 2, 8)
-    rotated = to_numpy(attn_ops.rotary_embedding(x, np.arange(5) * 100))
-    np.testing.assert_allclose(
-        np.linalg.norm(rotated, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5
-    )
-    half = attn_ops.rotary_embedding(keras.ops.cast(x, "bfloat16"), np.arange(5))
-    assert keras.backend.standardize_dtype(half.dtype) == "bfloat16"
-
-
-@pytest.mark.parametrize(
-    "x, positions, kwargs, match",
-    [
-        (random_floats(1, 3, 2, 5), np.arange(3), {}, r"even.*x.shape=\(1, 3, 2, 5\)"),
-        (random_floats(3, 2, 4), np.arange(3), {}, r"x.shape=\(3, 2, 4\)"),
-        (random_floats(1, 3, 2, 4), np.zeros((1, 1, 3)), {}, r"positions.shape"),
-        (random_floats(1, 3, 2, 4), np.arange(3), {"scaling_factor": 0}, r"=0"),
-        (random_floats(1, 3, 2, 4), np.arange(3), {"max_wavelength": -1.0}, r"-1.0"),
-        (random_floats(1, 3, 2, 4), np.arange(1), {}, r"positions.shape=\(1,\)"),
-        (random_floats(2, 3, 2, 4), np.zeros((3, 3)), {}, r"positions.shape=\(3, 3\)"),
-    ],
-    ids=[
-        "odd-dim",
-        "rank-3",
-        "positions-rank-3",
-        "scaling-0",
-        "wavelength-negative",
-        "positions-length",
-        "positions-batch",
-    ],
-)
-def test_rotary_embedding_bad_arguments(x, positions, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        attn_ops.rotary_embedding(x, positions, **kwargs)
-
-
-def test_causal_mask_with_offset():
-    mask = to_numpy(attn_ops.causal_mask(2, 5, query_offset=3))
-    np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
-
-
-def test_merge_attention_masks_ands_masks_of_every_rank():
-    padding = np.array([[True, False, True]])
-    assert attn_ops.merge_attention_masks() is None
-    assert attn_ops.merge_attention_masks(None, None) is None
-    merged = to_numpy(
-        attn_ops.merge_attention_masks(padding[:, None, :], np.eye(3, dtype=bool))
-    )
-    assert merged.shape == (1, 1, 3, 3)
-    np.testing.assert_array_equal(merged[0, 0], np.eye(3) * [1, 0, 1])
-    heads = np.ones((1, 2, 3, 3), bool)
-    heads[0, 1, 0] = False
-    merged = to_numpy(attn_ops.merge_attention_masks(padding[:, None, :], heads, None))
-    assert merged.shape == (1, 2, 3, 3)
-    np.testing.assert_array_equal(merged[0, 1, 0], [0, 0, 0])
-    np.testing.assert_array_equal(merged[0, 0, 0], [1, 0, 1])
-    with pytest.raises(ValueError, match=r"rank 2 .*Received: mask.shape=\(3,\)"):
-        attn_ops.merge_attention_masks(padding[0])
 
 
 @pytest.mark.parametrize("flash_attention", [None, False])
@@ -213,43 +84,6 @@ def test_scores_come_from_the_explicit_path():
     np.testing.assert_allclose(
         to_numpy(out), to_numpy(attn_ops.dot_product_attention(q, q, q)), atol=1e-6
     )
-
-
-def test_alibi_slopes_are_the_papers():
-    bias = to_numpy(keras_attn.ops.alibi_bias(8, 4, 4))
-    np.testing.assert_allclose(
-        bias[0, :, 3, 0] / -3, 2.0 ** -np.arange(1, 9), rtol=1e-6
-    )
-    assert bias.dtype == np.float32 and bias.shape == (1, 8, 4, 4)
-    keras_hub = pytest.importorskip("keras_hub")
-    for heads in (6, 12):  # not powers of two: the paper's interleaving
-        theirs = keras_hub.layers.AlibiBias()._get_slopes(heads)
-        ours = -to_numpy(keras_attn.ops.alibi_bias(heads, 2, 2))[0, :, 1, 0]
-        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
-
-
-def test_alibi_softmax_equals_keras_hub_under_a_causal_mask():
-    """keras-hub adds `slope * (j - (S - 1))`, the paper `-slope * (i - j)`:
-    they differ by a per-row constant, which softmax ignores."""
-    keras_hub = pytest.importorskip("keras_hub")
-    logits = random_floats(2, 4, 5, 5)
-    causal = np.tril(np.ones((5, 5), bool))
-    theirs = to_numpy(keras_hub.layers.AlibiBias()(keras.ops.convert_to_tensor(logits)))
-    ours = logits + to_numpy(keras_attn.ops.alibi_bias(4, 5, 5))
-
-    def softmax(x):
-        x = np.where(causal, x, -np.inf)
-        return np.exp(x - x.max(-1, keepdims=True)) / np.exp(
-            x - x.max(-1, keepdims=True)
-        ).sum(-1, keepdims=True)
-
-    np.testing.assert_allclose(softmax(ours), softmax(theirs), atol=1e-6)
-
-
-def test_alibi_with_a_query_offset_is_the_rows_of_the_full_bias():
-    full = to_numpy(keras_attn.ops.alibi_bias(2, 6, 6))
-    step = to_numpy(keras_attn.ops.alibi_bias(2, 1, 6, query_offset=4))
-    np.testing.assert_array_equal(step[:, :, 0], full[:, :, 4])
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from keras_attn import MultiHeadAttention
-from tests.helpers import BACKEND, attention_reference, to_numpy
+from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.references import attention_reference
 
 # Key length 1 is a case like any other here.
 pytestmark = pytest.mark.filterwarnings("ignore:You are using a softmax over axis -1")

@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-import keras_attn
-from tests.helpers import BACKEND
+from tests.helpers.backend import BACKEND
+from tests.helpers.builders import encoder_decoder_model, llama_model
 
 VOCAB, LENGTH, WIDTH = 12, 6, 32
 BACKENDS = ("jax", "tensorflow", "torch")
@@ -33,48 +33,6 @@ LOAD_AND_PREDICT = textwrap.dedent(
 )
 
 
-def translation_model():
-    """SinusoidalEmbedding -> 2 encoders; SinusoidalEmbedding -> decoder -> Dense."""
-    source = keras.Input((None,), dtype="int32", name="source")
-    target = keras.Input((None,), dtype="int32", name="target")
-    x = keras_attn.SinusoidalEmbedding(
-        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
-    )(source)
-    for _ in range(2):
-        x = keras_attn.TransformerEncoder(64, 4)(x)
-    y = keras_attn.SinusoidalEmbedding(
-        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
-    )(target)
-    y = keras_attn.TransformerDecoder(64, 4)(y, x)
-    logits = keras.layers.Dense(VOCAB)(y)
-    return keras.Model([source, target], logits)
-
-
-def llama_model():
-    """Today's decoder-only family: Keras' ReversibleEmbedding tied as the
-    head, RoPE, grouped-query attention, RMSNorm, SwiGLU, QK-norm, a window."""
-    ids = keras.Input((None,), dtype="int32", name="ids")
-    embedding = keras.layers.ReversibleEmbedding(VOCAB, WIDTH, mask_zero=True)
-    x = embedding(ids)
-    for window in (3, None):
-        x = keras_attn.TransformerDecoder(
-            64,
-            4,
-            activation="silu",
-            normalize_first=True,
-            num_key_value_heads=2,
-            normalization="rms_norm",
-            gated_feedforward=True,
-            use_bias=False,
-            rope_max_wavelength=10000.0,
-            normalize_qk=True,
-            logit_soft_cap=20.0,
-            sliding_window=window,
-        )(x)
-    x = keras.layers.RMSNormalization()(x)
-    return keras.Model(ids, embedding(x, reverse=True))
-
-
 def copy_task(n, seed):
     """Copy digits 2..11 with teacher forcing: decoder input is BOS(1) + prefix."""
     rng = np.random.default_rng(seed)
@@ -88,8 +46,9 @@ def copy_task(n, seed):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    keras.utils.set_random_seed(0)
-    model = translation_model()
+    model = encoder_decoder_model(
+        VOCAB, WIDTH, intermediate_dim=64, num_encoders=2, seed=0
+    )
     model.compile(
         optimizer=keras.optimizers.Adam(3e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -119,12 +78,15 @@ def test_fit_learns_the_copy_task(trained):
     assert accuracy > 0.9, accuracy
 
 
+@pytest.mark.processes
 def test_saved_model_loads_in_fresh_processes_on_every_backend(trained, tmp_path):
     """The trained translator, and an untrained LLaMA-style model."""
     model, _, path = trained
     source, decoder_in, _ = copy_task(16, seed=2)
-    keras.utils.set_random_seed(1)
-    llama, llama_path = llama_model(), tmp_path / "llama.keras"
+    llama = llama_model(
+        VOCAB, WIDTH, 64, normalize_qk=True, logit_soft_cap=20.0, seed=1
+    )
+    llama_path = tmp_path / "llama.keras"
     llama.save(llama_path)
     # Eager calls on both sides: TensorFlow's predict graphs, traced for other
     # batch sizes, may pick other (equally exact) kernels than a fresh trace.

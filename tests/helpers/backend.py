@@ -1,0 +1,104 @@
+"""The backend under test: its name, its devices and kernels, its arrays as
+numpy, and its own autodiff."""
+
+import keras
+
+from tests.helpers.builders import random_floats
+
+BACKEND = keras.backend.backend()
+
+
+def has_accelerator():
+    """Whether the current backend runs on a GPU/TPU (CI machines have none)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.devices()[0].platform != "cpu"
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def has_fused_kernel(batch, length, heads, head_dim):
+    """Whether the backend has a fused (flash-type) attention kernel for
+    bfloat16 self-attention of this shape on its device, asked of the
+    backend itself: JAX's cuDNN attention, PyTorch's fused kernels (cuDNN,
+    flash, memory-efficient; the flash kernel on a CPU too). TensorFlow has
+    none."""
+    if BACKEND == "tensorflow":
+        return False
+    if BACKEND == "jax":
+        import jax
+
+        x = jax.numpy.zeros((batch, length, heads, head_dim), "bfloat16")
+        try:
+            jax.nn.dot_product_attention(x, x, x, implementation="cudnn")
+        except Exception:  # noqa: BLE001 - JAX raises several kinds
+            return False
+        return True
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.zeros(batch, heads, length, head_dim, dtype=torch.bfloat16, device=device)
+    fused = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+    ]
+    try:
+        with sdpa_kernel(fused):
+            torch.nn.functional.scaled_dot_product_attention(x, x, x)
+    except RuntimeError:
+        return False
+    return True
+
+
+def to_numpy(x):
+    return keras.ops.convert_to_numpy(x)
+
+
+def flat_numpy(outputs):
+    """The outputs of a call (a tensor or a tuple) as a list of numpy arrays."""
+    return [to_numpy(x) for x in keras.tree.flatten(outputs)]
+
+
+def value_and_gradients(fn, *arrays):
+    """`fn(*arrays)` and the gradients of `sum(fn(*arrays) * c)` for a fixed
+    random `c`, as numpy arrays, with the backend's own autodiff."""
+    tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
+    cotangent = None
+
+    def loss(*xs):
+        nonlocal cotangent
+        output = fn(*xs)
+        if cotangent is None:
+            cotangent = keras.ops.convert_to_tensor(
+                random_floats(*output.shape, seed=99)
+            )
+        return keras.ops.sum(output * cotangent), output
+
+    if BACKEND == "jax":
+        import jax
+
+        (_, output), grads = jax.value_and_grad(
+            loss, argnums=tuple(range(len(tensors))), has_aux=True
+        )(*tensors)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(tensors)
+            total, output = loss(*tensors)
+        grads = tape.gradient(total, tensors)
+    else:
+        tensors = [x.clone().requires_grad_(True) for x in tensors]
+        total, output = loss(*tensors)
+        total.backward()
+        grads = [x.grad for x in tensors]
+    detach = getattr(output, "detach", lambda: output)  # torch
+    return to_numpy(detach()), [to_numpy(g) for g in grads]
