@@ -24,11 +24,20 @@ format: $(BIN)/.installed
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# One process per backend: KERAS_BACKEND is read once, at import.
+# One pytest run per backend: KERAS_BACKEND is read once, at import. Each run
+# has WORKERS processes (pytest-xdist), a test file to each (its module
+# fixtures start their subprocesses once), one thread per process: the
+# suite's tensors are tiny, and two cores are better spent on two tests than
+# on one test's thread pools.
+WORKERS ?= 2
+THREADS := OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
+	XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
+
 test: lint
 	@failed=""; for backend in $(BACKENDS); do \
 		echo "=== KERAS_BACKEND=$$backend"; \
-		KERAS_BACKEND=$$backend $(BIN)/python -m pytest -q -p no:cacheprovider \
+		KERAS_BACKEND=$$backend $(THREADS) $(BIN)/python -m pytest -q -p no:cacheprovider \
+			-n $(WORKERS) --dist loadfile \
 			--doctest-modules keras_attn tests $(PYTEST_ARGS) || failed="$$failed $$backend"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "FAILED on:$$failed"; exit 1; fi; \

@@ -159,27 +159,45 @@ def plan_attention(
     if not (dropout or return_scores):
         key_length = key_shape[2 if heads_major else 1]
         chunk_rows = _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape)
-    if not flash_attention:
-        if flash_attention is False:
-            not_fused += ("flash_attention=False",)
-        elif backend == "tensorflow":
-            not_fused += ("no fused TensorFlow kernel in Keras",)
-        elif backend == "jax" and chunk_rows and platform == "cpu":
-            not_fused += ("XLA's CPU kernel materializes long sequences",)
+    if flash_attention is None:
+        not_fused += _explicit_here(backend, platform, chunk_rows)
+    elif flash_attention is False:
+        not_fused += ("flash_attention=False",)
     if not_fused:
         kernel = "chunked" if chunk_rows else "materialized"
         return AttentionPlan(kernel, chunk_rows=chunk_rows, not_fused=not_fused)
-    masked = mask_shape is not None or (backend == "torch" and bias_shape is not None)
     grouped = query_shape[2] != key_shape[1 if heads_major else 2]
     return AttentionPlan(
         "fused",
-        is_causal=is_causal and not masked,
-        repeat_key_value_heads=grouped
-        and backend == "torch"
-        and platform == "gpu"
-        and keras.backend.standardize_dtype(dtype) not in ("float16", "bfloat16"),
+        is_causal=is_causal and not _causal_in_mask(backend, mask_shape, bias_shape),
+        repeat_key_value_heads=grouped and _repeat_groups(backend, platform, dtype),
         require_fused=bool(flash_attention),
     )
+
+
+def _explicit_here(backend, platform, chunk_rows):
+    """Rules 4 and 5: where the explicit path runs though a fused kernel
+    could compute the same."""
+    if backend == "tensorflow":
+        return ("no fused TensorFlow kernel in Keras",)
+    if backend == "jax" and chunk_rows and platform == "cpu":
+        return ("XLA's CPU kernel materializes long sequences",)
+    return ()
+
+
+def _causal_in_mask(backend, mask_shape, bias_shape):
+    """Whether the causal mask is folded into the mask rather than left to the
+    kernel's `is_causal`: with a mask (so that empty rows are found), and on
+    PyTorch with a bias too (SDPA raises for `attn_mask` with `is_causal`)."""
+    return mask_shape is not None or (backend == "torch" and bias_shape is not None)
+
+
+def _repeat_groups(backend, platform, dtype):
+    """Whether grouped key/value heads are repeated before the fused kernel:
+    on PyTorch on a GPU outside half precision, where `enable_gqa` runs only
+    the composite kernel."""
+    half = keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+    return backend == "torch" and platform == "gpu" and not half
 
 
 def fused_limits(

@@ -8,6 +8,11 @@ it must hold no progress-bar redraws, and stderr none of TensorFlow's C++ log
 checked by running them with their defaults (see README); these tests check
 that they run. The selected examples start together, one thread each (most of
 their time is imports and compilation), and each test waits for its own.
+
+Each example runs once per suite, in one backend's run (`RUNS_ON`): they are
+programs over the layers, which the rest of the suite tests on every backend,
+and five programs on three backends took a sixth of the suite's time. Run one
+on another backend by hand with `KERAS_BACKEND=... python examples/...`.
 """
 
 import os
@@ -90,6 +95,17 @@ EXAMPLES = {
 }
 
 
+# The backend whose run of the suite runs each example (the demo on `make
+# demo`'s JAX); each backend runs at least one.
+RUNS_ON = {
+    "translate_numbers": "jax",
+    "translate_tsv": "tensorflow",
+    "vit_digits": "torch",
+    "gpt_addition": "tensorflow",
+    "llama_docstrings": "torch",
+}
+
+
 def write_tsv(path):
     """80 pairs in the Tatoeba / Anki layout, with a third column to ignore."""
     rows = [f"I have {n} cats.\tJ'ai {n} chats.\tCC-BY 2.0 (France)" for n in range(80)]
@@ -103,6 +119,7 @@ def started(request, tmp_path_factory):
         item.callspec.params["name"]
         for item in request.session.items
         if getattr(item, "originalname", None) == "test_example"
+        and RUNS_ON[item.callspec.params["name"]] == BACKEND
     ]
     env = {
         **os.environ,
@@ -141,6 +158,8 @@ def started(request, tmp_path_factory):
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example(started, name):
+    if RUNS_ON[name] != BACKEND:
+        pytest.skip(f"runs once, in the {RUNS_ON[name]} run of the suite")
     process, output = started[name]
     _, _, last_line, files = EXAMPLES[name]
     try:
