@@ -167,9 +167,9 @@ def table(backend, lengths, results, args):
 
 
 def chunking():
-    from keras_attn.ops import _CHUNKED_FROM
+    from keras_attn.ops.plan import CHUNKED_FROM
 
-    return f"from 2^{math.log2(_CHUNKED_FROM):g} logits per batch row (H * T * S)"
+    return f"from 2^{math.log2(CHUNKED_FROM):g} logits per batch row (H * T * S)"
 
 
 def default_variant(backend):

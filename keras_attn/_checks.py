@@ -12,6 +12,7 @@ under `checked_upstream()`.
 import contextlib
 import inspect
 import numbers
+import threading
 
 import keras
 from keras import ops
@@ -298,27 +299,31 @@ def check_positions(positions, batch, length, rope_max_wavelength):
 
 
 class _Upstream:
-    """How many `checked_upstream()` blocks are open (a class attribute, which
-    `torch.compile` reads and guards on like a constant)."""
+    """The threads inside `checked_upstream()`, with how many blocks each has
+    open (a class attribute: `torch.compile` reads it, and guards on it, like
+    a constant, and an empty one asks nothing of `threading`)."""
 
-    depth = 0
+    threads = {}
 
 
 @contextlib.contextmanager
 def checked_upstream():
-    """Layers called inside skip their call checks: the caller has checked
-    every tensor it passes (the decoding loop of `generate`, whose steps must
-    not read tensors back to the host)."""
-    _Upstream.depth += 1
+    """Layers called inside, in this thread, skip their call checks: the
+    caller has checked every tensor it passes (the decoding loop of
+    `generate`, whose steps must not read tensors back to the host)."""
+    thread = threading.get_ident()
+    _Upstream.threads[thread] = _Upstream.threads.get(thread, 0) + 1
     try:
         yield
     finally:
-        _Upstream.depth -= 1
+        _Upstream.threads[thread] -= 1
+        if not _Upstream.threads[thread]:
+            del _Upstream.threads[thread]
 
 
 def call_checks_skipped():
     """Whether a layer's call runs inside `checked_upstream()`."""
-    return _Upstream.depth > 0
+    return bool(_Upstream.threads) and threading.get_ident() in _Upstream.threads
 
 
 def compiled_by_torch():
@@ -423,6 +428,22 @@ def check_config(cls, config):
         f"{__version__}. Received: {' and '.join(received)}. "
         f"Probably {'; or '.join(advice)}."
     )
+
+
+def check_heads_divide(num_heads, key_dim, width, name):
+    """Raise unless `key_dim` is given or `num_heads` divides the known
+    `width` of the input `name` (`"query"`, `"input"`)."""
+    if key_dim is None and (width is None or width % num_heads):
+        raise ValueError(
+            f"`num_heads` must divide the {name} width when `key_dim` is not "
+            f"given. Received: num_heads={num_heads}, {name} width={width}. "
+            "Pass `key_dim` explicitly or choose a divisor of the width."
+        )
+
+
+def dims_differ(a, b):
+    """Whether two dimensions are both known and differ."""
+    return _known(a) and _known(b) and a != b
 
 
 def _known(dim):

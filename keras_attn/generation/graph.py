@@ -76,6 +76,7 @@ class GraphPlan:
             self._plan_encoder(next(iter(encoder_outputs.values())))
         self.outputs_probabilities = _ends_in_softmax(self.head)
         self._warned = False
+        _check_logits_width(model.outputs[0], self.embedding, self.vocabulary_size)
 
     @property
     def layers(self):
@@ -269,6 +270,20 @@ def _vocabulary_size(embedding):
             )
         return embedding.vocabulary_size
     return embedding.input_dim
+
+
+def _check_logits_width(logits, embedding, vocabulary_size):
+    """Raise if the head scores more tokens than the embedding has: a chosen
+    id past the vocabulary would index past the table (checked here, once,
+    from shapes: the decoding steps check nothing)."""
+    width = logits.shape[-1]
+    if isinstance(width, int) and width > vocabulary_size:
+        raise ValueError(
+            f"`generate` feeds each chosen token id back to {embedding.name}, "
+            f"which embeds {vocabulary_size} ids, but the model scores {width} "
+            f"tokens per position: ids {vocabulary_size} to {width - 1} have no "
+            "embedding. Give the head as many units as the vocabulary."
+        )
 
 
 def _ends_in_softmax(head):

@@ -11,13 +11,16 @@ from keras_attn._checks import (
     check_bool,
     check_broadcastable,
     check_float,
+    check_heads_divide,
     check_index,
     check_mask,
     check_positions,
     check_rank,
     check_width,
+    dims_differ,
 )
 from keras_attn.layers._attention_axes import AttentionAxes
+from keras_attn.layers._kv_cache import check_cache
 from keras_attn.ops.masks import (
     causal_mask,
     merge_attention_masks,
@@ -91,11 +94,14 @@ class AttentionCall:
         return positions, ops.arange(0, ops.shape(self.key)[1], dtype="int32") + start
 
     def merged_mask(self, axes, sliding_window, lengths):
-        """The merged boolean mask (or `None`), and whether the causal mask is
-        left to the kernel (`is_causal`, the fused kernels' fast path).
+        """The merged boolean mask (or `None`), and whether attention is
+        causal from the first key (`is_causal` of `dot_product_attention`,
+        whose plan decides its form).
 
-        `lengths` counts the (folded) queries and the keys (the cache's
-        positions with a cache).
+        With a cache the queries sit at the cache index, an offset that
+        `is_causal` cannot say: the causal mask is built here. `lengths`
+        counts the (folded) queries and the keys (the cache's positions with a
+        cache).
         """
         fold = axes.fold
         padding = [
@@ -144,7 +150,8 @@ def check_shapes(layer, query_shape, value_shape, key_shape):
     for name, shape in (("value", value_shape), ("key", key_shape)):
         check_rank(name, shape, rank, "the rank of `query`")
     if any(
-        _differ(a, b) for a, b in zip(value_shape[1:-1], key_shape[1:-1], strict=True)
+        dims_differ(a, b)
+        for a, b in zip(value_shape[1:-1], key_shape[1:-1], strict=True)
     ):
         raise ValueError(
             "All dimensions of `value` and `key`, except the last one, must "
@@ -162,7 +169,7 @@ def check_shapes(layer, query_shape, value_shape, key_shape):
                 f"Received: {name}_shape={tuple(shape)}."
             )
     axes = AttentionAxes(layer.attention_axes, rank)
-    if any(_differ(query_shape[a], value_shape[a]) for a in axes.batch):
+    if any(dims_differ(query_shape[a], value_shape[a]) for a in axes.batch):
         raise ValueError(
             "`query` and `value` must be equal on the axes that attention "
             f"does not run over, {list(axes.batch)}. Received: "
@@ -174,13 +181,7 @@ def check_shapes(layer, query_shape, value_shape, key_shape):
 def check_heads(layer, rank, query_width):
     """The head width: `key_dim`, or one that `num_heads` divides the query
     width into; even with rotary positions."""
-    if layer.key_dim is None and query_width % layer.num_heads:
-        raise ValueError(
-            "`num_heads` must divide the query width when `key_dim` is not "
-            f"given. Received: num_heads={layer.num_heads}, "
-            f"query width={query_width}. Pass `key_dim` explicitly or choose "
-            "a divisor of the width."
-        )
+    check_heads_divide(layer.num_heads, layer.key_dim, query_width, "query")
     key_dim = layer.key_dim or query_width // layer.num_heads
     if layer.rope_max_wavelength is not None and (rank != 3 or key_dim % 2):
         raise ValueError(
@@ -191,17 +192,24 @@ def check_heads(layer, rank, query_width):
         )
 
 
-def check_call(layer, call):
-    """Every argument of `call` to the built `layer`, before anything is
-    computed."""
-    check_bool("use_causal_mask", call.use_causal_mask)
-    check_bool("return_attention_scores", call.return_attention_scores)
-    if call.return_attention_scores and layer.flash_attention:
+def check_scores_allowed(flash_attention, return_attention_scores, kind="layer"):
+    """Raise unless `return_attention_scores` is a bool that the layer's
+    `flash_attention` allows (a fused kernel returns no weights)."""
+    check_bool("return_attention_scores", return_attention_scores)
+    if return_attention_scores and flash_attention:
         refuse_flash(
             fused_limits(return_scores=True),
             "return_attention_scores=True",
             asked="return_attention_scores=True",
+            advice=f"Create the {kind} with flash_attention=None to get the scores.",
         )
+
+
+def check_call(layer, call):
+    """Every argument of `call` to the built `layer`, before anything is
+    computed."""
+    check_bool("use_causal_mask", call.use_causal_mask)
+    check_scores_allowed(layer.flash_attention, call.return_attention_scores)
     query, key = call.query, call.key
     _check_inputs(layer, query, call.value, key, call.projects_keys)
     inner = tuple(query.shape[:-1])
@@ -262,7 +270,8 @@ def _check_inputs(layer, query, value, key, projected):
         if name == "query" or projected:
             check_width(name, tensor.shape, layer._widths[name])
     if any(
-        _differ(a, b) for a, b in zip(key.shape[1:-1], value.shape[1:-1], strict=True)
+        dims_differ(a, b)
+        for a, b in zip(key.shape[1:-1], value.shape[1:-1], strict=True)
     ):
         raise ValueError(
             "`key` and `value` must have the same length (all dimensions "
@@ -302,34 +311,3 @@ def _check_attention_bias(layer, bias, inner, key_inner):
         full,
         "(batch, num_heads, query_length, key_length)",
     )
-
-
-def check_cacheable(layer):
-    """Raise unless `layer` is built for key/value caches."""
-    if not layer.built:
-        raise ValueError(
-            f"{layer.name} must be built (called once) before it makes a cache."
-        )
-    if layer._value_head_dim != layer._head_dim:
-        raise ValueError(
-            "A key/value cache stacks keys and values, so it needs "
-            "`value_dim == key_dim`. Received: "
-            f"key_dim={layer._head_dim}, value_dim={layer._value_head_dim}."
-        )
-    if layer._axes.rank != 3:
-        raise ValueError(
-            "Key/value caches need inputs of rank 3, (batch, length, width). "
-            f"{layer.name} was built for inputs of rank {layer._axes.rank}."
-        )
-
-
-def check_cache(layer, cache, batch, name="cache"):
-    """Raise unless `cache` is a float `(batch, 2, kv_heads, length, key_dim)`."""
-    check_cacheable(layer)
-    expected = (batch, 2, layer._kv_heads, None, layer._head_dim)
-    check_mask(name, cache, expected)
-    check_float(name, cache)
-
-
-def _differ(a, b):
-    return isinstance(a, int) and isinstance(b, int) and a != b

@@ -6,6 +6,7 @@ from keras import ops
 from keras_attn._checks import (
     check_bool,
     check_float,
+    check_heads_divide,
     check_one_of,
     check_positive_float,
     check_positive_int,
@@ -14,6 +15,7 @@ from keras_attn._checks import (
     check_width,
     get_keras_object,
 )
+from keras_attn.layers._attention_call import check_scores_allowed
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._machinery import (
     ConfigCheck,
@@ -24,7 +26,6 @@ from keras_attn.layers._machinery import (
 )
 from keras_attn.layers._options import AttentionOptions
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
-from keras_attn.ops.plan import fused_limits, refuse_flash
 
 
 class TransformerBlock(ConfigCheck, keras.layers.Layer):
@@ -88,12 +89,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         if self.built:
             check_width(name, shape, self.feedforward_output_dense.units)
         width = shape[-1]
-        if self.key_dim is None and (width is None or width % self.num_heads):
-            raise ValueError(
-                "`num_heads` must divide the input width when `key_dim` is not "
-                f"given. Received: num_heads={self.num_heads}, input width={width}. "
-                "Pass `key_dim` explicitly or choose a divisor of the width."
-            )
+        check_heads_divide(self.num_heads, self.key_dim, width, "input")
         return width
 
     def _check_sequence(self, name, tensor, return_attention_scores):
@@ -101,12 +97,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         self._check_width(name, tensor.shape)
         check_float(name, tensor)
         check_bool("return_attention_scores", return_attention_scores)
-        if return_attention_scores and self.flash_attention:
-            refuse_flash(
-                fused_limits(return_scores=True),
-                "return_attention_scores=True",
-                asked="return_attention_scores=True",
-            )
+        check_scores_allowed(self.flash_attention, return_attention_scores, "block")
 
     def _build_attention(self, name, query_shape, value_shape=None, window=None):
         """An attention sublayer and the norm of its residual branch.

@@ -14,8 +14,8 @@ from keras_attn._checks import (
     check_rank,
     check_width,
 )
-from keras_attn.layers._attention_call import check_cache
 from keras_attn.layers._block import first_mask
+from keras_attn.layers._kv_cache import check_cache
 
 
 @dataclasses.dataclass
@@ -91,7 +91,7 @@ def _check_self_attention_cache(layer, args, batch, target):
     if (cache is None) != (index is None):
         raise ValueError(
             "`self_attention_cache` and `self_attention_cache_update_index` "
-            f"go together. Received: self_attention_cache={_describe(cache)}, "
+            f"go together. Received: self_attention_cache={_described(cache)}, "
             f"self_attention_cache_update_index={index}."
         )
     if cache is None:
@@ -164,7 +164,7 @@ def _check_no_cross_attention(layer, args):
         if value is not None:
             raise ValueError(
                 f"`{name}` needs cross-attention, and this decoder-only "
-                f"block has none. Received: {name}={_describe(value)}."
+                f"block has none. Received: {name}={_described(value)}."
             )
 
 
@@ -177,5 +177,5 @@ _CROSS_ATTENTION_ARGUMENTS = (
 )
 
 
-def _describe(value):
+def _described(value):
     return "None" if value is None else f"tensor of shape {tuple(value.shape)}"

@@ -3,8 +3,7 @@ step and read by the next, or computed once from an encoder output."""
 
 from keras import ops
 
-from keras_attn._checks import check_rank, check_width
-from keras_attn.layers._attention_call import check_cacheable
+from keras_attn._checks import check_float, check_mask, check_rank, check_width
 from keras_attn.layers._projections import project
 
 
@@ -110,3 +109,30 @@ class KeyValueCache:
         check_cacheable(self)
         shape = (batch_size, 2, self._kv_heads, max_length, self._head_dim)
         return ops.zeros(shape, dtype=dtype or self.compute_dtype)
+
+
+def check_cacheable(layer):
+    """Raise unless `layer` is built for key/value caches."""
+    if not layer.built:
+        raise ValueError(
+            f"{layer.name} must be built (called once) before it makes a cache."
+        )
+    if layer._value_head_dim != layer._head_dim:
+        raise ValueError(
+            "A key/value cache stacks keys and values, so it needs "
+            "`value_dim == key_dim`. Received: "
+            f"key_dim={layer._head_dim}, value_dim={layer._value_head_dim}."
+        )
+    if layer._axes.rank != 3:
+        raise ValueError(
+            "Key/value caches need inputs of rank 3, (batch, length, width). "
+            f"{layer.name} was built for inputs of rank {layer._axes.rank}."
+        )
+
+
+def check_cache(layer, cache, batch, name="cache"):
+    """Raise unless `cache` is a float `(batch, 2, kv_heads, length, key_dim)`."""
+    check_cacheable(layer)
+    expected = (batch, 2, layer._kv_heads, None, layer._head_dim)
+    check_mask(name, cache, expected)
+    check_float(name, cache)

@@ -83,11 +83,17 @@ class AttentionOptions:
                 f"{self.rope_scaling_factor}, rope_max_wavelength=None."
             )
         if self.flash_attention and dropout > 0:
-            refuse_flash(fused_limits(dropout=True), f"dropout={dropout}")
+            refuse_flash(
+                fused_limits(dropout=True),
+                f"dropout={dropout}",
+                advice="Pass dropout=0.0, or flash_attention=None (fused "
+                "kernels where possible).",
+            )
         if self.flash_attention and self.logit_soft_cap is not None:
             refuse_flash(
                 fused_limits(logit_soft_cap=self.logit_soft_cap),
                 f"logit_soft_cap={self.logit_soft_cap}",
+                advice="Pass flash_attention=None.",
             )
 
     def apply(self, layer):

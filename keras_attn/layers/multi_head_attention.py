@@ -51,13 +51,14 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
     `value` and `attention_output`, exposed as `query_dense`, ...,
     `output_dense`) and so the same weights, so that `set_weights` moves
     weights between the two, and `model.quantize(...)`, `enable_lora` and
-    `DTypePolicyMap` reach every projection. One dispatcher
-    (`keras_attn.ops.dot_product_attention`) runs the attention in a fused
-    kernel (torch's own `scaled_dot_product_attention` on PyTorch, with
-    grouped heads unrepeated; `keras.ops.dot_product_attention` elsewhere) or
-    in an explicit float32-softmax path, which goes in chunks of
-    query rows (memory linear in the length) for long sequences where no
-    fused kernel runs; all give the same numbers.
+    `DTypePolicyMap` reach every projection. The attention plan
+    (`keras_attn.ops.plan`, asked by `keras_attn.ops.dot_product_attention`)
+    runs the attention in a fused kernel (torch's own
+    `scaled_dot_product_attention` on PyTorch, with grouped heads unrepeated
+    but in float32 on a GPU; `keras.ops.dot_product_attention` elsewhere) or
+    in an explicit float32-softmax path, which goes in chunks of query rows
+    (memory linear in the length) for long sequences where no fused kernel
+    runs; all give the same numbers.
 
     Masks: a key may be attended to where the key/value padding mask (from the
     inputs' Keras masks or `value_mask`/`key_mask`), `attention_mask`, the

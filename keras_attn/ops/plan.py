@@ -53,6 +53,8 @@ import dataclasses
 
 import keras
 
+from keras_attn._checks import dims_differ
+
 __all__ = [
     "AttentionPlan",
     "fused_limits",
@@ -72,8 +74,6 @@ __all__ = [
 CHUNKED_FROM = 2**26
 CHUNK_LOGITS = 2**25
 MIN_CHUNK_ROWS = 16
-
-KERNELS = ("fused", "materialized", "chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +214,9 @@ def fused_limits(
     reasons = {
         "dropout on the attention weights": bool(dropout),
         "returning the attention weights": bool(return_scores),
-        "values of another width than the keys' width": _differ(value_width, key_width),
+        "values of another width than the keys' width": dims_differ(
+            value_width, key_width
+        ),
         "soft-capped logits": logit_soft_cap is not None,
         "float64 inputs": dtype is not None
         and keras.backend.standardize_dtype(dtype) == "float64",
@@ -222,16 +224,21 @@ def fused_limits(
     return tuple(reason for reason, applies in reasons.items() if applies)
 
 
-def refuse_flash(reasons, received="", asked=None):
+def refuse_flash(reasons, received="", asked=None, advice=None):
     """Raise for `flash_attention=True` together with what only the explicit
     path computes. `received`: the arguments that asked for it, as text;
-    `asked`: the call argument that needs the explicit path, if one does."""
+    `asked`: the call argument that needs the explicit path, if one does;
+    `advice`: how to fix it, where the caller knows better than
+    "pass `flash_attention=None`"."""
     lead = f"`{asked}` needs the explicit path, and " if asked else ""
     received = f" Received: flash_attention=True, {received}." if received else ""
+    advice = advice or (
+        "Pass `flash_attention=None` (fused where possible) or `False`."
+    )
     raise ValueError(
         f"{lead}`flash_attention=True` needs the fused flash kernel, which "
-        f"cannot compute attention with {' or '.join(reasons)}.{received} Pass "
-        "`flash_attention=None` (fused where possible) or `False`."
+        f"cannot compute attention with {' or '.join(reasons)}.{received} "
+        f"{advice}"
     )
 
 
@@ -269,7 +276,3 @@ def _default_platform():
     else:
         device = keras.distribution.list_devices()[0].split(":")[0].lower()
     return "gpu" if device == "cuda" else device
-
-
-def _differ(a, b):
-    return isinstance(a, int) and isinstance(b, int) and a != b

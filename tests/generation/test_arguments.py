@@ -198,6 +198,19 @@ def test_a_decoder_called_without_its_causal_mask_is_refused():
         generate(model, PROMPTS, 6)
 
 
+def test_a_head_wider_than_the_vocabulary_is_refused():
+    """Decoding steps check no token id: `generate` refuses, from the shapes,
+    a head that could choose ids the embedding does not have."""
+    ids = keras.Input((None,), dtype="int32")
+    x = keras_attn.SinusoidalEmbedding(vocabulary_size=VOCAB, embedding_dim=WIDTH)(ids)
+    x = keras_attn.TransformerDecoder(32, 4)(x)
+    model = keras.Model(ids, keras.layers.Dense(VOCAB + 3)(x))
+    with pytest.raises(
+        ValueError, match=rf"embeds {VOCAB} ids, but the model scores {VOCAB + 3}"
+    ):
+        generate(model, PROMPTS, 6)
+
+
 def test_decoder_calls_and_heads_a_step_cannot_reproduce_are_refused():
     """A decoder given a bias or mask tensor (a step could not be given it),
     and a head that normalizes across positions."""

@@ -486,16 +486,15 @@ def test_torch_receives_causal_grouped_attention_in_its_own_form(sdpa_calls, pad
     arrive unrepeated (but on a GPU in float32, where the plan repeats them:
     `tests/ops/test_plan.py`); no kernel is pinned; a padding mask keeps a
     fused kernel (torch's CPU flash kernel here)."""
+    import torch
     from torch.nn.attention import SDPBackend
-
-    from keras_attn.ops.plan import platform_of
 
     layer = MultiHeadAttention(8, key_dim=4, num_key_value_heads=2)
     x = random_floats(2, 5, 16)
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool) if padding else None
     layer(x, query_mask=mask, use_causal_mask=True)
     (call,) = sdpa_calls
-    repeated = platform_of(keras.ops.convert_to_tensor(x)) == "gpu"
+    repeated = torch.cuda.is_available()  # Keras computes on the GPU then
     key_heads = 8 if repeated else 2
     assert (call["query"], call["key"]) == ((2, 8, 5, 4), (2, key_heads, 5, 4))
     assert call["enable_gqa"] is not repeated and not call["pinned"]
@@ -624,3 +623,16 @@ def test_chunked_attention_trains_like_the_materialized_path(small_chunks):
     small_chunks()
     for ours, theirs in zip(chunked, trained_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, **TOLERANCE)
+
+
+def test_the_call_record_lists_the_arguments_of_call_in_order():
+    """`call` builds its `AttentionCall` positionally: a field out of order
+    would hand one argument's value to another."""
+    import dataclasses
+    import inspect
+
+    from keras_attn.layers._attention_call import AttentionCall
+
+    parameters = list(inspect.signature(MultiHeadAttention.call).parameters)[1:]
+    fields = [f.name for f in dataclasses.fields(AttentionCall) if f.init]
+    assert fields == parameters

@@ -176,3 +176,28 @@ def test_cached_decoding_in_a_while_loop_as_in_keras_hub():
         lambda i, outputs, cache: i < 5, body, (0, keras.ops.zeros_like(x), empty)
     )
     np.testing.assert_allclose(to_numpy(outputs), full, **TOLERANCE)
+
+
+def test_rotary_scaling_reaches_self_attention_only():
+    """Cross-attention keys are another sequence's: no rotary positions, so
+    neither their scaling (it used to raise: a scaling without positions)."""
+    decoder = TransformerDecoder(
+        16, 2, rope_max_wavelength=100.0, rope_scaling_factor=2.0
+    )
+    decoder(random_floats(2, 3, 8), random_floats(2, 5, 8))
+    assert decoder.self_attention.rope_scaling_factor == 2.0
+    assert decoder.cross_attention.rope_max_wavelength is None
+    assert decoder.cross_attention.rope_scaling_factor == 1.0
+
+
+def test_the_call_record_lists_the_arguments_of_call_in_order():
+    """`call` builds its `DecoderCall` positionally: a field out of order
+    would hand one argument's value to another."""
+    import dataclasses
+    import inspect
+
+    from keras_attn.layers._decoder_call import DecoderCall
+
+    parameters = list(inspect.signature(TransformerDecoder.call).parameters)[1:]
+    fields = [f.name for f in dataclasses.fields(DecoderCall) if f.init]
+    assert fields == parameters

@@ -268,3 +268,20 @@ def test_half_precision_grouped_heads_reach_cuda_unrepeated(cuda_sdpa):
     layer(np.ones((2, 5, 16), "float32"), use_causal_mask=True)
     (call,) = cuda_sdpa
     assert call["key"] == (2, 2, 5, 4) and call["enable_gqa"]
+
+
+@ON_TORCH
+def test_float32_grouped_caches_reach_cuda_repeated(cuda_sdpa):
+    """Decoding from a heads-major cache, the heads repeated on their axis
+    there: step by step equals the full pass."""
+    x = np.random.default_rng(3).normal(size=(1, 4, 16)).astype("float32")
+    layer = keras_attn.MultiHeadAttention(8, key_dim=4, num_key_value_heads=2)
+    full = keras.ops.convert_to_numpy(layer(x, use_causal_mask=True))
+    cache, steps = layer.get_empty_cache(1, 4), []
+    for i in range(4):
+        y, cache = layer(
+            x[:, i : i + 1], use_causal_mask=True, cache=cache, cache_update_index=i
+        )
+        steps.append(keras.ops.convert_to_numpy(y))
+    np.testing.assert_allclose(np.concatenate(steps, 1), full, rtol=1e-5, atol=1e-5)
+    assert {call["key"] for call in cuda_sdpa[1:]} == {(1, 8, 4, 4)}
