@@ -102,40 +102,9 @@ def _check_self_attention_cache(layer, args, batch, target):
 
 
 def _check_cross_attention(layer, args, batch, target):
-    cache, index = (
-        args.cross_attention_cache,
-        args.cross_attention_cache_update_index,
-    )
-    sequence = args.encoder_sequence
-    if sequence is None and (cache is None or index is not None):
-        raise ValueError(
-            f"{layer.name} was built with cross-attention (its first call "
-            "had an `encoder_sequence`), so every call needs one: call it "
-            "as `decoder(decoder_sequence, encoder_sequence)`. "
-            "Received: encoder_sequence=None."
-        )
-    if sequence is not None:
-        check_rank("encoder_sequence", sequence.shape, 3, "(batch, length, width)")
-        check_float("encoder_sequence", sequence)
-        check_width(
-            "encoder_sequence",
-            sequence.shape,
-            layer.cross_attention._widths["value"],
-        )
-    source = None if sequence is None else sequence.shape[1]
-    if index is not None and cache is None:
-        raise ValueError(
-            "`cross_attention_cache_update_index` needs a "
-            "`cross_attention_cache`. Received: cross_attention_cache=None, "
-            f"cross_attention_cache_update_index={index}."
-        )
-    if cache is not None:
-        check_cache(layer.cross_attention, cache, batch, "cross_attention_cache")
-        if index is not None:
-            check_index(
-                "cross_attention_cache_update_index", index, source, cache.shape[3]
-            )
-        source = cache.shape[3]
+    """The encoder side of a decoder with cross-attention."""
+    source = _check_encoder_sequence(layer, args)
+    source = _check_cross_attention_cache(layer, args, batch, source)
     check_mask("encoder_padding_mask", args.encoder_padding_mask, (batch, source))
     check_mask(
         "encoder_attention_mask",
@@ -148,6 +117,46 @@ def _check_cross_attention(layer, args, batch, target):
         (batch, layer.num_heads, target, source),
         "(batch, num_heads, target_length, source_length)",
     )
+
+
+def _check_encoder_sequence(layer, args):
+    """The encoder sequence, needed unless a precomputed cache stands in for
+    it; returns its length (`None` without one)."""
+    sequence, cache = args.encoder_sequence, args.cross_attention_cache
+    if sequence is None and (
+        cache is None or args.cross_attention_cache_update_index is not None
+    ):
+        raise ValueError(
+            f"{layer.name} was built with cross-attention (its first call "
+            "had an `encoder_sequence`), so every call needs one: call it "
+            "as `decoder(decoder_sequence, encoder_sequence)`. "
+            "Received: encoder_sequence=None."
+        )
+    if sequence is None:
+        return None
+    check_rank("encoder_sequence", sequence.shape, 3, "(batch, length, width)")
+    check_float("encoder_sequence", sequence)
+    check_width(
+        "encoder_sequence", sequence.shape, layer.cross_attention._widths["value"]
+    )
+    return sequence.shape[1]
+
+
+def _check_cross_attention_cache(layer, args, batch, source):
+    """The cross-attention cache and its index; returns the number of keys."""
+    cache, index = args.cross_attention_cache, args.cross_attention_cache_update_index
+    if index is not None and cache is None:
+        raise ValueError(
+            "`cross_attention_cache_update_index` needs a "
+            "`cross_attention_cache`. Received: cross_attention_cache=None, "
+            f"cross_attention_cache_update_index={index}."
+        )
+    if cache is None:
+        return source
+    check_cache(layer.cross_attention, cache, batch, "cross_attention_cache")
+    if index is not None:
+        check_index("cross_attention_cache_update_index", index, source, cache.shape[3])
+    return cache.shape[3]
 
 
 def _check_no_cross_attention(layer, args):
