@@ -88,3 +88,21 @@ def small_chunks(monkeypatch):
 
     materialize.calls = calls
     return materialize
+
+
+@pytest.fixture
+def cuda_sdpa(monkeypatch):
+    """PyTorch: torch's SDPA held to CUDA's rules, the plan told it runs on a
+    GPU (`tests/helpers/doubles.py`); records the calls."""
+    from tests.helpers.doubles import hold_sdpa_to_cuda
+
+    return hold_sdpa_to_cuda(monkeypatch)
+
+
+@pytest.fixture
+def cuda_graphs(monkeypatch):
+    """PyTorch: `generate`'s compiled steps replay like CUDA graphs
+    (`tests/helpers/doubles.py`); returns the replays."""
+    from tests.helpers.doubles import hold_compiled_steps_to_cuda_graphs
+
+    return hold_compiled_steps_to_cuda_graphs(monkeypatch)

@@ -51,9 +51,21 @@ def inductor_options(device):
     return {"cpp_wrapper": True}
 
 
+def replays_cuda_graphs(device):
+    """Whether the compiled step replays as a CUDA graph on `device`."""
+    return device.type == "cuda"
+
+
 def compile_step(function, layers, state, numbers):
     """`function(state, numbers) -> state`, exported for these shapes and
-    compiled; `layers` hold the weights it reads."""
+    compiled; `layers` hold the weights it reads.
+
+    A CUDA graph's replay writes its outputs into the memory of the previous
+    replay's outputs (torch: "accessing tensor output of CUDAGraphs that has
+    been overwritten by a subsequent run"; `../shared/gpu/FINDINGS.md`,
+    section 1), and each step's outputs are the next step's inputs: they are
+    copied out of the graph's memory after each replay.
+    """
     module = _FlatStep(function, layers, state, numbers)
     with torch.no_grad():
         exported = torch.export.export(
@@ -63,14 +75,15 @@ def compile_step(function, layers, state, numbers):
     compiled = torch.compile(
         exported.module(), dynamic=False, options=inductor_options(device)
     )
-
-    graphs = device.type == "cuda"
+    graphs = replays_cuda_graphs(device)
 
     def step(state, numbers):
         if graphs:  # the last step's outputs are this step's inputs, no more
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             leaves = compiled(*pytree.tree_leaves((state, numbers)))
+            if graphs:
+                leaves = tuple(leaf.clone() for leaf in leaves)
         return pytree.tree_unflatten(leaves, module.state_spec)
 
     return step

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import keras_attn
-from keras_attn.ops import attention as attention_module
 from keras_attn.ops.plan import AttentionPlan, plan_attention
 
 BACKEND = keras.backend.backend()
@@ -149,48 +148,6 @@ def test_flash_attention_true_pins_a_fused_kernel():
 
 
 # --- PyTorch's CUDA rules, on a CPU ---------------------------------------------
-
-
-@pytest.fixture
-def cuda_sdpa(monkeypatch):
-    """torch's `scaled_dot_product_attention` held to what it accepts on CUDA,
-    with the plan told that the tensors are on a GPU. Records each call.
-
-    The rules, with their sources:
-    - "An error is thrown if both attn_mask and is_causal are set" (torch's
-      documentation of `scaled_dot_product_attention`). A CPU accepts both; a
-      GPU raised (`../shared/gpu/FINDINGS.md`, section 1).
-    - `enable_gqa` runs fused on CUDA only in half precision: the flash and
-      cuDNN kernels take float16 and bfloat16 only, the memory-efficient one
-      takes no `enable_gqa` (torch's `sdp_utils.cpp`); float32 with it falls
-      to the composite kernel, which materializes the logits (FINDINGS.md,
-      section 1: kernel 0 on an H100).
-    """
-    import torch
-    from torch.nn import functional
-
-    original = functional.scaled_dot_product_attention
-    calls = []
-
-    def on_cuda(query, key, value, attn_mask=None, is_causal=False, **kwargs):
-        if attn_mask is not None and is_causal:
-            raise RuntimeError(
-                "Explicit attn_mask should not be set when is_causal=True"
-            )
-        half = query.dtype in (torch.float16, torch.bfloat16)
-        if kwargs.get("enable_gqa") and not half:
-            raise RuntimeError(
-                f"enable_gqa in {query.dtype}: no fused CUDA kernel, the "
-                "composite one would materialize the logits"
-            )
-        calls.append({"key": tuple(key.shape), "is_causal": is_causal, **kwargs})
-        return original(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kwargs
-        )
-
-    monkeypatch.setattr(functional, "scaled_dot_product_attention", on_cuda)
-    monkeypatch.setattr(attention_module, "platform_of", lambda tensor: "gpu")
-    return calls
 
 
 @ON_TORCH

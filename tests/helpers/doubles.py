@@ -1,0 +1,100 @@
+"""Test doubles that hold our code, on a CPU, to an accelerator's documented
+rules: what a GPU would refuse or do differently, made to happen here. Each
+names its rule and the rule's source; the fixtures in tests/conftest.py
+install them."""
+
+import math
+
+from keras_attn.ops import attention as attention_module
+
+
+def hold_sdpa_to_cuda(monkeypatch):
+    """torch's `scaled_dot_product_attention` held to what it accepts on CUDA,
+    with the plan told that the tensors are on a GPU. Records each call.
+
+    The rules, with their sources:
+    - "An error is thrown if both attn_mask and is_causal are set" (torch's
+      documentation of `scaled_dot_product_attention`). A CPU accepts both; a
+      GPU raised (`../shared/gpu/FINDINGS.md`, section 1).
+    - `enable_gqa` runs fused on CUDA only in half precision: the flash and
+      cuDNN kernels take float16 and bfloat16 only, the memory-efficient one
+      takes no `enable_gqa` (torch's `sdp_utils.cpp`); float32 with it falls
+      to the composite kernel, which materializes the logits (FINDINGS.md,
+      section 1: kernel 0 on an H100).
+    """
+    import torch
+    from torch.nn import functional
+
+    original = functional.scaled_dot_product_attention
+    calls = []
+
+    def on_cuda(query, key, value, attn_mask=None, is_causal=False, **kwargs):
+        if attn_mask is not None and is_causal:
+            raise RuntimeError(
+                "Explicit attn_mask should not be set when is_causal=True"
+            )
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        if kwargs.get("enable_gqa") and not half:
+            raise RuntimeError(
+                f"enable_gqa in {query.dtype}: no fused CUDA kernel, the "
+                "composite one would materialize the logits"
+            )
+        calls.append({"key": tuple(key.shape), "is_causal": is_causal, **kwargs})
+        return original(
+            query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kwargs
+        )
+
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", on_cuda)
+    monkeypatch.setattr(attention_module, "platform_of", lambda tensor: "gpu")
+    return calls
+
+
+class CudaGraphReplays:
+    """A compiled function that replays like a CUDA graph: every replay
+    writes its outputs into the same memory, so the previous replay's outputs
+    are overwritten (here: NaN, -1 or True) before the next replay runs, even
+    where they are its inputs.
+
+    The rule: torch's CUDA graph trees ("accessing tensor output of CUDAGraphs
+    that has been overwritten by a subsequent run"; torch's documentation of
+    `mode="reduce-overhead"`: clone outputs that must outlive the next call).
+    It crashed `generate(jit_compile=True)` on CUDA (FINDINGS.md, section 1).
+    """
+
+    def __init__(self, function):
+        self.function, self.outputs, self.replays = function, None, 0
+
+    def __call__(self, *inputs):
+        if self.outputs is not None:
+            for output in self.outputs:
+                output.fill_(_garbage(output))
+        results = self.function(*inputs)
+        if self.outputs is None:
+            self.outputs = tuple(result.clone() for result in results)
+        else:
+            for output, result in zip(self.outputs, results, strict=True):
+                output.copy_(result)
+        self.replays += 1
+        return self.outputs
+
+
+def _garbage(tensor):
+    if tensor.dtype.is_floating_point:
+        return math.nan
+    return True if str(tensor.dtype) == "torch.bool" else -1
+
+
+def hold_compiled_steps_to_cuda_graphs(monkeypatch):
+    """`generate`'s compiled torch steps replay as `CudaGraphReplays` (the
+    exported step itself, without Inductor); returns the replays made."""
+    from keras_attn.generation import _torch as torch_generation
+
+    replays = []
+
+    def compile_(module, **options):
+        replays.append(CudaGraphReplays(module))
+        return replays[-1]
+
+    monkeypatch.setattr(torch_generation.torch, "compile", compile_)
+    monkeypatch.setattr(torch_generation, "replays_cuda_graphs", lambda device: True)
+    return replays
