@@ -340,6 +340,16 @@ def compiled_by_torch():
     return torch.compiler.is_compiling()
 
 
+def exported_by_torch():
+    """Whether `torch.export` is tracing this call (a static fact the
+    attention plan reads)."""
+    if keras.config.backend() != "torch":
+        return False
+    import torch
+
+    return torch.compiler.is_exporting()
+
+
 def concrete_value(tensor):
     """`tensor` as numpy where it holds values (an eager call), else `None`:
     tracers, graph tensors, torch.export's fake tensors and the tensors

@@ -5,6 +5,7 @@ import math
 import keras
 from keras import ops
 
+from keras_attn._checks import exported_by_torch
 from keras_attn.ops.kernels import chunked, explicit, fused
 from keras_attn.ops.kernels.options import KernelOptions
 from keras_attn.ops.masks import merge_attention_masks
@@ -102,6 +103,7 @@ def dot_product_attention(
         logit_soft_cap=logit_soft_cap,
         flash_attention=flash_attention,
         platform=platform_of(query),
+        exporting=exported_by_torch(),
     )
     options = KernelOptions(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,

@@ -24,7 +24,11 @@ rule out, it raises (`refuse_flash`) rather than falling back.
    them for the gradient (memory rule: `benchmarks/long_sequence.py`).
 6. Otherwise: fused, heads-major caches too: on PyTorch torch's own
    `scaled_dot_product_attention` with torch's kernel choice, elsewhere
-   `keras.ops.dot_product_attention`.
+   `keras.ops.dot_product_attention`. While `torch.export` traces a length
+   it keeps dynamic, torch's composite kernel only: the fused kernels' shape
+   checks leave guards in the program that fail for dynamic lengths on CUDA
+   (`min(4*L, 8*L) != 16*L`; FINDINGS.md, section 1), and the composite
+   kernel checks nothing.
 
 The form of a fused call:
 
@@ -91,6 +95,8 @@ class AttentionPlan:
             the query heads before a fused kernel.
         require_fused: bool. `flash_attention=True`: no fallback to a
             composite kernel.
+        composite: bool. PyTorch's composite kernel only (`torch.export`
+            tracing a dynamic length).
         chunk_rows: int or `None`. Query rows per chunk (`"chunked"` only).
         not_fused: tuple of str. Why no fused kernel runs (empty when one
             does).
@@ -100,6 +106,7 @@ class AttentionPlan:
     is_causal: bool = False
     repeat_key_value_heads: bool = False
     require_fused: bool = False
+    composite: bool = False
     chunk_rows: int | None = None
     not_fused: tuple = ()
 
@@ -120,6 +127,7 @@ def plan_attention(
     flash_attention=None,
     backend=None,
     platform=None,
+    exporting=False,
 ):
     """The `AttentionPlan` for one call (the rules: this module's docstring).
 
@@ -139,6 +147,7 @@ def plan_attention(
         backend: Keras backend; defaults to the running one.
         platform: `"cpu"`, `"gpu"` or `"tpu"` (see `platform_of`); defaults
             to Keras' first device.
+        exporting: bool. `torch.export` is tracing the call.
 
     Returns:
         An `AttentionPlan`.
@@ -172,6 +181,8 @@ def plan_attention(
         is_causal=is_causal and not _causal_in_mask(backend, mask_shape, bias_shape),
         repeat_key_value_heads=grouped and _repeat_groups(backend, platform, dtype),
         require_fused=bool(flash_attention),
+        composite=flash_attention is None
+        and _traced_dynamic(backend, exporting, query_shape, key_shape),
     )
 
 
@@ -190,6 +201,17 @@ def _causal_in_mask(backend, mask_shape, bias_shape):
     kernel's `is_causal`: with a mask (so that empty rows are found), and on
     PyTorch with a bias too (SDPA raises for `attn_mask` with `is_causal`)."""
     return mask_shape is not None or (backend == "torch" and bias_shape is not None)
+
+
+def _traced_dynamic(backend, exporting, query_shape, key_shape):
+    """Whether `torch.export` traces a length it keeps dynamic (a symbolic
+    dimension, not an int)."""
+    lengths = (query_shape[1], key_shape[1], key_shape[2])
+    return (
+        backend == "torch"
+        and exporting
+        and not all(isinstance(n, int) for n in lengths)
+    )
 
 
 def _repeat_groups(backend, platform, dtype):

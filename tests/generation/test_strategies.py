@@ -15,7 +15,7 @@ from keras import ops
 
 from keras_attn.generation import generate
 from keras_attn.generation.strategies import counter_uniform
-from tests.helpers.backend import to_numpy
+from tests.helpers.backend import require, to_numpy
 from tests.helpers.builders import GENERATION_VOCAB as VOCAB
 from tests.helpers.builders import GENERATION_WIDTH as WIDTH
 from tests.helpers.builders import one_decoder_model
@@ -144,6 +144,7 @@ print(json.dumps(generate(model, prompts, {LENGTH}, **{SAMPLE}).tolist()))
 def test_sampling_draws_the_same_tokens_on_every_backend(tmp_path):
     """A saved model samples the same tokens on JAX (here), TensorFlow and
     PyTorch (subprocesses, run meanwhile)."""
+    require("tensorflow", "torch")
     model, _, _ = one_decoder_model(VOCAB, WIDTH, seed=4)
     path = str(tmp_path / "tiny.keras")
     model.save(path)

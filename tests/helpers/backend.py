@@ -1,11 +1,36 @@
 """The backend under test: its name, its devices and kernels, its arrays as
 numpy, and its own autodiff."""
 
+import importlib.util
+
 import keras
+import pytest
 
 from tests.helpers.builders import random_floats
 
 BACKEND = keras.backend.backend()
+# The module each backend needs: a machine may lack some (the GPU machine has
+# no TensorFlow).
+BACKEND_MODULES = {"jax": "jax", "tensorflow": "tensorflow", "torch": "torch"}
+
+
+def installed(module):
+    """Whether `module` can be imported on this machine."""
+    return importlib.util.find_spec(module) is not None
+
+
+def require(*modules):
+    """Skip the calling test unless every one of `modules` is installed (a
+    GPU machine may lack TensorFlow, jax2onnx or tf2onnx)."""
+    missing = [module for module in modules if not installed(module)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}, not installed here")
+
+
+def installed_backends(*backends):
+    """Those of `backends` (default: all three) whose module is installed."""
+    backends = backends or tuple(BACKEND_MODULES)
+    return tuple(b for b in backends if installed(BACKEND_MODULES[b]))
 
 
 def has_accelerator():

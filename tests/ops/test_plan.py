@@ -66,6 +66,11 @@ FUSED_FORMS = {
         False,
     ),
     "grouped heads, JAX, GPU, float32: unrepeated": (dict(), False, False),
+    "torch.export of static lengths: torch's choice": (
+        dict(backend="torch", platform="cpu", exporting=True),
+        False,
+        False,
+    ),
 }
 
 
@@ -141,6 +146,17 @@ def test_long_sequences_stay_fused_where_a_kernel_streams_them():
 def test_flash_attention_true_refuses_what_no_fused_kernel_computes(kwargs, refused):
     with pytest.raises(ValueError, match=f"`flash_attention=True` needs.*{refused}"):
         plan(flash_attention=True, **kwargs)
+
+
+def test_torch_export_of_a_dynamic_length_pins_the_composite_kernel():
+    dynamic = ((1, None, 4, 8), (1, None, 2, 8))
+    exported = plan("torch", "gpu", shapes=dynamic, exporting=True)
+    assert exported.kernel == "fused" and exported.composite
+    assert not plan("torch", "gpu", shapes=dynamic).composite  # not exporting
+    assert not plan("jax", "gpu", shapes=dynamic, exporting=True).composite
+    assert plan(
+        "torch", "gpu", shapes=dynamic, exporting=True, flash_attention=True
+    ) == AttentionPlan("fused", repeat_key_value_heads=True, require_fused=True)
 
 
 def test_flash_attention_true_pins_a_fused_kernel():

@@ -66,6 +66,7 @@ def _kernel(query, key, value, mask, bias, plan, options):
             options.scale,
             options.heads_major,
             require_fused=plan.require_fused,
+            composite=plan.composite,
         )
     if options.heads_major:  # Keras' kernels take `(B, S, K, D)`
         key, value = (ops.transpose(x, (0, 2, 1, 3)) for x in (key, value))

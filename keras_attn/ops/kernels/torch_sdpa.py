@@ -18,7 +18,9 @@ boolean mask into a float one. Here torch gets the tensors as they are:
   masks), or a float bias with the mask folded in.
 
 With no kernel pinned, torch picks its fastest (cuDNN, flash,
-memory-efficient, then its composite "math" kernel). `flash_attention=True`
+memory-efficient, then its composite "math" kernel); while `torch.export`
+traces a dynamic length the plan pins the composite kernel, whose program
+holds no guards from the fused kernels' shape checks. `flash_attention=True`
 rules out the composite kernel: a fused kernel runs, or a `ValueError` says
 why none can.
 """
@@ -33,7 +35,17 @@ _FUSED = [
 ]
 
 
-def attention(query, key, value, mask, is_causal, scale, heads_major, require_fused):
+def attention(
+    query,
+    key,
+    value,
+    mask,
+    is_causal,
+    scale,
+    heads_major,
+    require_fused=False,
+    composite=False,
+):
     """Attention of `query` `(B, T, H, D)` over `key` and `value`
     `(B, S, K, D)` (or `(B, K, S, D)` with `heads_major`), the logits scaled
     by `scale`.
@@ -53,6 +65,11 @@ def attention(query, key, value, mask, is_causal, scale, heads_major, require_fu
     }
     if require_fused:
         output = _fused_only(query, key, value, arguments)
+    elif composite:
+        with sdpa_kernel([SDPBackend.MATH]):
+            output = functional.scaled_dot_product_attention(
+                query, key, value, **arguments
+            )
     else:
         output = functional.scaled_dot_product_attention(query, key, value, **arguments)
     return output.transpose(1, 2)  # (B, T, H, Dv)
