@@ -15,6 +15,7 @@ from keras_attn._checks import (
     check_width,
     get_keras_object,
 )
+from keras_attn.layers import _int8
 from keras_attn.layers._attention_call import check_scores_allowed
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._machinery import (
@@ -173,7 +174,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         )
 
     def _dense(self, name, units, input_shape):
-        dense = keras.layers.Dense(
+        dense = _int8.Dense(
             units,
             use_bias=self.use_bias,
             kernel_initializer=clone_initializer(self.kernel_initializer),

@@ -1,8 +1,10 @@
 """The attention projections on Keras' `EinsumDense` (W_Q, W_K, W_V, the gate
-and W_O) and the per-head QK-norms, built for a `MultiHeadAttention`."""
+and W_O; int8 contractions padded for XLA, `_int8`) and the per-head QK-norms,
+built for a `MultiHeadAttention`."""
 
 import keras
 
+from keras_attn.layers import _int8
 from keras_attn.layers._initializers import MatrixInitializer
 from keras_attn.layers._machinery import clone_initializer, leaf_dtype
 
@@ -40,7 +42,7 @@ def projection(layer, name, width, heads, dim, activation=None):
     orders them alphabetically, and any other order makes XLA transpose
     the kernels and their gradients.)
     """
-    dense = keras.layers.EinsumDense(
+    dense = _int8.EinsumDense(
         "abc,cde->abde",
         output_shape=(None, heads, dim),
         bias_axes="de" if layer.use_bias else None,
@@ -58,7 +60,7 @@ def output_projection(layer, query_width):
     """`EinsumDense` W_O: `(B, T, H, Dv)` -> `(B, T, *output_shape)`."""
     output_shape = layer._output_shape or (query_width,)
     letters = "efghijklmnopqrstuvwxyz"[: len(output_shape)]
-    dense = keras.layers.EinsumDense(
+    dense = _int8.EinsumDense(
         f"abcd,cd{letters}->ab{letters}",
         output_shape=(None, *output_shape),
         bias_axes=letters if layer.use_bias else None,

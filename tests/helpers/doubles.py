@@ -98,3 +98,33 @@ def hold_compiled_steps_to_cuda_graphs(monkeypatch):
     monkeypatch.setattr(torch_generation.torch, "compile", compile_)
     monkeypatch.setattr(torch_generation, "replays_cuda_graphs", lambda device: True)
     return replays
+
+
+def int8_contractions(function, *args):
+    """The contracted sizes, one tuple per dot, of every int8 x int8
+    `dot_general` that JAX traces for `function(*args)`, nested calls
+    (custom gradients, jitted functions) included.
+
+    The rule it serves: XLA's GPU int8 dot gives garbage (an H100) or fails
+    to compile (an H200) when a contracted size is not a multiple of 4
+    (`../shared/gpu/FINDINGS.md`, section 2; Keras' own int8 `EinsumDense`
+    has the fault). A CPU computes these dots right, so only the shapes that
+    reach the dot can show the fault here.
+    """
+    import jax
+
+    return list(_int8_dots(jax.make_jaxpr(function)(*args).jaxpr))
+
+
+def _int8_dots(jaxpr):
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "dot_general":
+            left, right = (variable.aval for variable in equation.invars)
+            if str(left.dtype) == str(right.dtype) == "int8":
+                (contracted, _), _ = equation.params["dimension_numbers"]
+                yield tuple(left.shape[axis] for axis in contracted)
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if hasattr(inner, "eqns"):
+                    yield from _int8_dots(inner)

@@ -1,0 +1,149 @@
+"""Keras' `EinsumDense` and `Dense` with int8 contractions that XLA's GPU dot
+computes right.
+
+XLA's GPU int8 x int8 dot returns garbage (an H100) or fails to compile (an
+H200) when a contracted size is not a multiple of 4 (`shared/gpu/FINDINGS.md`,
+section 2; Keras 3.15.1's own layers have the fault). On the backends that
+compile with XLA (JAX, TensorFlow), these subclasses zero-pad each contracted
+axis of the quantized inputs and kernel to a multiple of 4 just before that
+dot. Zeros add nothing to an integer sum, so every number is Keras' own.
+
+Only that one contraction is rewritten: in `_int8_call`, the forward pass of
+Keras' custom gradient. Quantizing, the inputs' gradient, LoRA, bias and
+activation follow Keras' code line for line, and every other mode (float,
+int4, float8, weight-only int8) is Keras' layer untouched. Keras refuses to
+quantize a subclass (`type_check`, meant for subclasses that change `call`);
+these change no `call`, so they quantize as their parents do.
+"""
+
+import keras
+from keras import ops
+
+MULTIPLE = 4  # XLA's GPU int8 dot: contracted sizes that are multiples of 4
+XLA_BACKENDS = ("jax", "tensorflow")
+
+
+def padding(equation, kernel_shape):
+    """`{letter: pad}` for each contracted axis of `equation` (inputs, kernel
+    -> output) whose size is not a multiple of 4; empty off XLA backends."""
+    inputs_spec, rest = equation.split(",")
+    kernel_spec, output_spec = rest.split("->")
+    if keras.config.backend() not in XLA_BACKENDS:
+        return {}
+    pads = {
+        letter: -kernel_shape[axis] % MULTIPLE
+        for axis, letter in enumerate(kernel_spec)
+        if letter in inputs_spec and letter not in output_spec
+    }
+    return {letter: pad for letter, pad in pads.items() if pad}
+
+
+def pad_axes(x, spec, pads):
+    """`x` (axes named by `spec`, which may hold `...`) zero-padded at the end
+    of each axis named in `pads`."""
+    rank = len(x.shape)
+    head, _, tail = spec.partition("...")
+    axes = {letter: axis for axis, letter in enumerate(head)}
+    axes.update({letter: rank - len(tail) + i for i, letter in enumerate(tail)})
+    widths = [[0, 0] for _ in range(rank)]
+    for letter, pad in pads.items():
+        widths[axes[letter]][1] = pad
+    return ops.pad(x, widths)
+
+
+def finish(layer, x, lora_inputs):
+    """Keras' tail of an int8 call: LoRA, bias, activation."""
+    if layer.lora_enabled:
+        lora_x = ops.matmul(lora_inputs, layer.lora_kernel_b)
+        x = ops.add(x, (layer.lora_alpha / layer.lora_rank) * lora_x)
+        x = ops.cast(x, dtype=layer.compute_dtype)
+    if layer.bias is not None:
+        x = ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
+@keras.saving.register_keras_serializable(package="keras_attn")
+class EinsumDense(keras.layers.EinsumDense):
+    """`keras.layers.EinsumDense`, its int8 contraction padded for XLA."""
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        super().quantize(mode, type_check=False, config=config)
+
+    def _int8_call(self, inputs, training=None):
+        pads = padding(self.equation, self._kernel.shape)
+        if not pads or not self.inputs_quantizer:
+            return super()._int8_call(inputs, training)
+        inputs_spec, rest = self.equation.split(",")
+        kernel_spec = rest.split("->")[0]
+
+        @ops.custom_gradient
+        def einsum_with_inputs_gradient(inputs, kernel, kernel_scale):
+            def grad_fn(*args, upstream=None):
+                upstream = args[0] if upstream is None else upstream
+                scale = self._adjust_scale_for_dequant(kernel_scale)
+                float_kernel = ops.divide(ops.cast(kernel, self.compute_dtype), scale)
+                gradient = ops.einsum(
+                    self._custom_gradient_equation, upstream, float_kernel
+                )
+                return (gradient, None, None)
+
+            inputs, inputs_scale = self.inputs_quantizer(
+                inputs, axis=self.quantization_axis
+            )
+            inputs_scale = self._adjust_scale_for_quant(inputs_scale, "input")
+            x = ops.einsum(
+                self.equation,
+                pad_axes(inputs, inputs_spec, pads),
+                pad_axes(kernel, kernel_spec, pads),
+            )
+            x = ops.cast(x, self.compute_dtype)
+            return ops.divide(x, ops.multiply(inputs_scale, kernel_scale)), grad_fn
+
+        x = einsum_with_inputs_gradient(
+            inputs,
+            ops.convert_to_tensor(self._kernel),
+            ops.convert_to_tensor(self.kernel_scale),
+        )
+        lora_inputs = None
+        if self.lora_enabled:
+            lora_inputs = ops.einsum(self.equation, inputs, self.lora_kernel_a)
+        return finish(self, x, lora_inputs)
+
+
+@keras.saving.register_keras_serializable(package="keras_attn")
+class Dense(keras.layers.Dense):
+    """`keras.layers.Dense`, its int8 contraction padded for XLA."""
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        super().quantize(mode, type_check=False, config=config)
+
+    def _int8_call(self, inputs, training=None):
+        pads = padding("...a,ab->...b", self._kernel.shape)
+        if not pads or not self.inputs_quantizer:
+            return super()._int8_call(inputs, training)
+
+        @ops.custom_gradient
+        def matmul_with_inputs_gradient(inputs, kernel, kernel_scale):
+            def grad_fn(*args, upstream=None):
+                upstream = args[0] if upstream is None else upstream
+                float_kernel = ops.divide(
+                    ops.cast(kernel, self.compute_dtype), kernel_scale
+                )
+                return (ops.matmul(upstream, ops.transpose(float_kernel)), None, None)
+
+            inputs, inputs_scale = self.inputs_quantizer(inputs, axis=-1)
+            x = ops.matmul(pad_axes(inputs, "...a", pads), pad_axes(kernel, "ab", pads))
+            x = ops.cast(x, self.compute_dtype)
+            return ops.divide(x, ops.multiply(kernel_scale, inputs_scale)), grad_fn
+
+        x = matmul_with_inputs_gradient(
+            inputs,
+            ops.convert_to_tensor(self._kernel),
+            ops.convert_to_tensor(self.kernel_scale),
+        )
+        lora_inputs = None
+        if self.lora_enabled:
+            lora_inputs = ops.matmul(inputs, self.lora_kernel_a)
+        return finish(self, x, lora_inputs)

@@ -1,0 +1,107 @@
+"""Every int8 x int8 contraction our layers hand to JAX has contracted sizes
+that are multiples of 4, for odd widths too: the rule of XLA's GPU int8 dot
+(`tests/helpers/doubles.py`, `int8_contractions`), held on a CPU. The
+numbers stay Keras' own int8 numbers."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_attn
+from keras_attn.layers import _int8
+from tests.helpers.backend import BACKEND
+from tests.helpers.doubles import int8_contractions
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX's traced dots")
+
+RNG = np.random.default_rng(0)
+
+
+def odd_models():
+    """Models whose contracted widths are odd: query width 8 and key/value
+    width 9 (FINDINGS.md's failing case), 3 heads of 5 (W_O contracts 15),
+    and blocks of width 9 with a feed-forward width of 7."""
+    query, source, block = (
+        keras.Input((4, 8)),
+        keras.Input((6, 9)),
+        keras.Input((4, 9)),
+    )
+    attention = keras_attn.MultiHeadAttention(num_heads=3, key_dim=5)
+    encoder = keras_attn.TransformerEncoder(7, 3, normalize_first=True)
+    decoder = keras_attn.TransformerDecoder(
+        7, 3, activation="gelu", gated_feedforward=True
+    )
+    return {
+        "attention": keras.Model([query, source], attention(query, source)),
+        "encoder": keras.Model(block, encoder(block)),
+        "decoder": keras.Model(block, decoder(block)),
+    }
+
+
+@pytest.mark.parametrize("name", ["attention", "encoder", "decoder"])
+def test_int8_contractions_are_multiples_of_4(name):
+    model = odd_models()[name]
+    inputs = [
+        RNG.normal(size=(2, *x.shape[1:])).astype("float32") for x in model.inputs
+    ]
+
+    def call(*inputs):
+        return model(list(inputs) if len(inputs) > 1 else inputs[0])
+
+    float_outputs = keras.ops.convert_to_numpy(call(*inputs))
+    model.quantize("int8")
+
+    sizes = int8_contractions(call, *inputs)
+
+    assert sizes, "no int8 dot was traced: the check saw nothing"
+    assert all(size % 4 == 0 for dot in sizes for size in dot), sizes
+    outputs = keras.ops.convert_to_numpy(call(*inputs))
+    error = np.linalg.norm(outputs - float_outputs) / np.linalg.norm(float_outputs)
+    assert error < 0.05
+
+
+LAYERS = {
+    # (keras_attn's, Keras' own, the input shape): contracted sizes 3 x 5 and 9
+    "einsum": (
+        lambda cls: cls("abcd,cde->abe", output_shape=(None, 6), bias_axes="e"),
+        (_int8.EinsumDense, keras.layers.EinsumDense),
+        (2, 4, 3, 5),
+    ),
+    "dense": (
+        lambda cls: cls(6, activation="relu"),
+        (_int8.Dense, keras.layers.Dense),
+        (2, 4, 9),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_padding_changes_no_number(name):
+    """Padded and Keras' unpadded int8 contractions agree exactly on a CPU,
+    forward and in the inputs' gradient, with LoRA on."""
+    make, classes, shape = LAYERS[name]
+    inputs = RNG.normal(size=shape).astype("float32")
+    ours, keras_own = (make(cls) for cls in classes)
+    for layer in (ours, keras_own):
+        layer.build(shape)
+    ours.set_weights(keras_own.get_weights())
+    for layer in (ours, keras_own):
+        layer.quantize("int8")
+        layer.enable_lora(2)
+    ours.set_weights(keras_own.get_weights())  # LoRA's random A too
+
+    def forward_and_gradient(layer):
+        import jax
+
+        value, gradient = jax.value_and_grad(
+            lambda x: keras.ops.sum(keras.ops.square(layer(x)))
+        )(inputs)
+        return np.asarray(value), np.asarray(gradient)
+
+    assert int8_contractions(keras_own, inputs)  # the fault this avoids
+    assert all(size % 4 == 0 for dot in int8_contractions(ours, inputs) for size in dot)
+    pairs = zip(
+        forward_and_gradient(ours), forward_and_gradient(keras_own), strict=True
+    )
+    for got, expected in pairs:
+        np.testing.assert_array_equal(got, expected)
