@@ -89,4 +89,14 @@ def _masked_softmax(logits, mask, dtype):
     if mask is not None:
         lowest = np.finfo(keras.backend.standardize_dtype(logits.dtype)).min
         logits = ops.where(mask, logits, lowest)
-    return ops.cast(ops.softmax(logits, axis=-1), dtype)
+    return ops.cast(_softmax(logits), dtype)
+
+
+def _softmax(logits):
+    """Keras' softmax over the keys. Over a single key (a one-token call)
+    it is `exp(x - x)`: the same numbers, NaN and infinities included,
+    without Keras' warning about "a softmax over an axis of size 1" (meant
+    for classifier heads, where a size-1 softmax is a mistake)."""
+    if logits.shape[-1] == 1:
+        return ops.exp(ops.subtract(logits, logits))
+    return ops.softmax(logits, axis=-1)
