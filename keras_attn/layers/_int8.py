@@ -51,30 +51,47 @@ def pad_axes(x, spec, pads):
     return ops.pad(x, widths)
 
 
-def finish(layer, x, lora_inputs):
-    """Keras' tail of an int8 call: LoRA, bias, activation."""
-    if layer.lora_enabled:
-        lora_x = ops.matmul(lora_inputs, layer.lora_kernel_b)
-        x = ops.add(x, (layer.lora_alpha / layer.lora_rank) * lora_x)
-        x = ops.cast(x, dtype=layer.compute_dtype)
-    if layer.bias is not None:
-        x = ops.add(x, layer.bias)
-    if layer.activation is not None:
-        x = layer.activation(x)
-    return x
-
-
-@keras.saving.register_keras_serializable(package="keras_attn")
-class EinsumDense(keras.layers.EinsumDense):
-    """`keras.layers.EinsumDense`, its int8 contraction padded for XLA."""
+class PaddedInt8:
+    """The int8 call of a Keras `EinsumDense` or `Dense` subclass, its int8
+    contraction padded on XLA backends; everything else is the parent's."""
 
     def quantize(self, mode=None, type_check=True, config=None):
         super().quantize(mode, type_check=False, config=config)
 
     def _int8_call(self, inputs, training=None):
-        pads = padding(self.equation, self._kernel.shape)
+        pads = padding(self.contraction, self._kernel.shape)
         if not pads or not self.inputs_quantizer:
             return super()._int8_call(inputs, training)
+        x = self.padded_int8_contraction(pads)(
+            inputs,
+            ops.convert_to_tensor(self._kernel),
+            ops.convert_to_tensor(self.kernel_scale),
+        )
+        if self.lora_enabled:  # Keras' tail: LoRA, bias, activation
+            lora_x = self.contract(inputs, self.lora_kernel_a)
+            lora_x = ops.matmul(lora_x, self.lora_kernel_b)
+            x = ops.add(x, (self.lora_alpha / self.lora_rank) * lora_x)
+            x = ops.cast(x, dtype=self.compute_dtype)
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
+
+@keras.saving.register_keras_serializable(package="keras_attn")
+class EinsumDense(PaddedInt8, keras.layers.EinsumDense):
+    """`keras.layers.EinsumDense`, its int8 contraction padded for XLA."""
+
+    @property
+    def contraction(self):
+        return self.equation
+
+    def contract(self, x, kernel):
+        return ops.einsum(self.equation, x, kernel)
+
+    def padded_int8_contraction(self, pads):
+        """Keras' int8 forward with a custom inputs' gradient, padded."""
         inputs_spec, rest = self.equation.split(",")
         kernel_spec = rest.split("->")[0]
 
@@ -93,36 +110,26 @@ class EinsumDense(keras.layers.EinsumDense):
                 inputs, axis=self.quantization_axis
             )
             inputs_scale = self._adjust_scale_for_quant(inputs_scale, "input")
-            x = ops.einsum(
-                self.equation,
-                pad_axes(inputs, inputs_spec, pads),
-                pad_axes(kernel, kernel_spec, pads),
+            x = self.contract(
+                pad_axes(inputs, inputs_spec, pads), pad_axes(kernel, kernel_spec, pads)
             )
             x = ops.cast(x, self.compute_dtype)
             return ops.divide(x, ops.multiply(inputs_scale, kernel_scale)), grad_fn
 
-        x = einsum_with_inputs_gradient(
-            inputs,
-            ops.convert_to_tensor(self._kernel),
-            ops.convert_to_tensor(self.kernel_scale),
-        )
-        lora_inputs = None
-        if self.lora_enabled:
-            lora_inputs = ops.einsum(self.equation, inputs, self.lora_kernel_a)
-        return finish(self, x, lora_inputs)
+        return einsum_with_inputs_gradient
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
-class Dense(keras.layers.Dense):
+class Dense(PaddedInt8, keras.layers.Dense):
     """`keras.layers.Dense`, its int8 contraction padded for XLA."""
 
-    def quantize(self, mode=None, type_check=True, config=None):
-        super().quantize(mode, type_check=False, config=config)
+    contraction = "...a,ab->...b"
 
-    def _int8_call(self, inputs, training=None):
-        pads = padding("...a,ab->...b", self._kernel.shape)
-        if not pads or not self.inputs_quantizer:
-            return super()._int8_call(inputs, training)
+    def contract(self, x, kernel):
+        return ops.matmul(x, kernel)
+
+    def padded_int8_contraction(self, pads):
+        """Keras' int8 forward with a custom inputs' gradient, padded."""
 
         @ops.custom_gradient
         def matmul_with_inputs_gradient(inputs, kernel, kernel_scale):
@@ -134,16 +141,10 @@ class Dense(keras.layers.Dense):
                 return (ops.matmul(upstream, ops.transpose(float_kernel)), None, None)
 
             inputs, inputs_scale = self.inputs_quantizer(inputs, axis=-1)
-            x = ops.matmul(pad_axes(inputs, "...a", pads), pad_axes(kernel, "ab", pads))
+            x = self.contract(
+                pad_axes(inputs, "...a", pads), pad_axes(kernel, "ab", pads)
+            )
             x = ops.cast(x, self.compute_dtype)
             return ops.divide(x, ops.multiply(kernel_scale, inputs_scale)), grad_fn
 
-        x = matmul_with_inputs_gradient(
-            inputs,
-            ops.convert_to_tensor(self._kernel),
-            ops.convert_to_tensor(self.kernel_scale),
-        )
-        lora_inputs = None
-        if self.lora_enabled:
-            lora_inputs = ops.matmul(inputs, self.lora_kernel_a)
-        return finish(self, x, lora_inputs)
+        return matmul_with_inputs_gradient
