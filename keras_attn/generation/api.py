@@ -62,14 +62,18 @@ def generate(
     its own positions (its first real token is position 0). Right-padded rows
     are returned left-aligned; left-padded rows are returned left-padded.
     Source-side padding reaches the cross-attention when the encoder input's
-    embedding has `mask_zero=True`.
+    embedding has `mask_zero=True`. A Python list of rows of different lengths
+    is right-padded with `pad_token_id` (and so returned left-aligned).
 
     Sampling draws from a counter-based hash of `(seed, row, step)` written in
     integer `keras.ops`, so the same seed and model give the same tokens on
     JAX, TensorFlow and PyTorch (up to logits that differ in the last bits).
     The numeric settings (`temperature`, `top_k`, `top_p`, `min_new_tokens`,
     `repetition_penalty`, `length_penalty`, `seed`) are inputs of the compiled
-    loop: changing them compiles nothing.
+    loop: changing them compiles nothing. Generation's own numbers (the
+    logits processors, temperature, penalties, sampling, beam scores) are
+    float32 whatever the model's or the global dtype policy (e.g.
+    `"mixed_bfloat16"`): the model's logits are cast to float32 first.
 
     Args:
         model: a functional `keras.Model` built from keras_attn layers as
@@ -85,9 +89,13 @@ def generate(
             functions that are methods of a Keras layer or model, or close
             over one; otherwise it is compiled anew on each call.
         inputs: int token ids `(batch, prompt_length)` (array, tensor or
-            nested lists) for a one-input model, or a list (in `model.inputs`
-            order) or dict (by input name) for an encoder-decoder model, whose
-            decoder-side entry is the prefix to extend (e.g. a start token).
+            nested lists, which may have different lengths: see Padding) for
+            a one-input model, or a list (in `model.inputs` order) or dict (by
+            input name) for an encoder-decoder model, whose decoder-side entry
+            is the prefix to extend (e.g. a start token). Each encoder input
+            is an array of its `keras.Input`'s shape with one row per prompt
+            row; int ids must be in the vocabulary of the embedding that reads
+            them.
         max_length: int. Length of the returned sequences, prompt included.
             Pass it or `max_new_tokens`.
         method: `"greedy"` (argmax), `"sample"` (from the softmax, after
@@ -104,13 +112,16 @@ def generate(
         length_penalty: float. `"beam"` ranks finished beams by
             `log p / length**length_penalty`. Defaults to `1.0`.
         end_token_id: int or list of ints. A sequence stops after generating
-            one; the positions after it hold `pad_token_id`. Defaults to
-            `None` (no stop).
+            one; the positions after it hold `pad_token_id`. It may equal
+            `pad_token_id` (as Hugging Face sets it for GPT-2): a row then
+            ends with that id, the same id fills the positions after it, and
+            in prompts it counts as padding. Defaults to `None` (no stop).
         pad_token_id: int. Padding id of the prompts and of the output.
             Defaults to `0`.
-        max_new_tokens: int, keyword only. New tokens per row, instead of
-            `max_length`: the result has `prompt_length + max_new_tokens`
-            columns.
+        max_new_tokens: int >= 0, keyword only. New tokens per row, instead
+            of `max_length`: the result has `prompt_length + max_new_tokens`
+            columns. `0` returns the prompts as given (scores 0), after the
+            checks, without running the model.
         min_new_tokens: int, keyword only. End tokens are not generated before
             this many new tokens. Defaults to `0`.
         repetition_penalty: float > 0, keyword only. Logits of tokens already
@@ -158,6 +169,9 @@ def generate(
     ...     top_k=5, return_scores=True)
     >>> tokens.shape, bool(np.all(scores[0, 3:] <= 0))
     ((1, 7), True)
+    >>> keras_attn.generation.generate(
+    ...     model, [[3, 4, 5], [6]], max_new_tokens=0).tolist()
+    [[3, 4, 5], [6, 0, 0]]
     """
     settings = Settings.from_arguments(
         method, end_token_id, pad_token_id, return_scores,
@@ -181,9 +195,15 @@ def generate(
             pad_token_id=settings.pad_token_id,
             end_token_id=settings.end_token_ids,
         )
+    sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
     plan.warn_if_probabilities(method)
-    generator = _generator(owner, plan, settings, prompt.shape[1], length, jit_compile)
-    outputs = _run(generator, settings, prompt, pads, sources, on_token)
+    if length == prompt.shape[1]:  # no new position: the model need not run
+        outputs = {"tokens": prompt, "scores": np.zeros(prompt.shape, "float32")}
+    else:
+        generator = _generator(
+            owner, plan, settings, prompt.shape[1], length, jit_compile
+        )
+        outputs = _run(generator, settings, prompt, pads, sources, on_token)
     tokens = prompts.to_user_layout(
         outputs["tokens"].astype("int32"), pads, right_padded, returned, pad_token_id
     )
@@ -222,7 +242,7 @@ def _run(generator, settings, prompt, pads, sources, on_token):
         "prompt": prompt,
         "pads": pads,
         **settings.numbers(),
-        **{f"encoder_{i}": np.asarray(x) for i, x in enumerate(sources)},
+        **{f"encoder_{i}": x for i, x in enumerate(sources)},
     }
     # PyTorch loops in Python anyway; `predict_on_batch` adds no_grad.
     compiled = generator.jit_compile or keras.config.backend() == "torch"
@@ -275,6 +295,7 @@ class _FunctionPlan:
 
     vocabulary_size = None
     encoder_indices = ()
+    source_specs = ()
 
     def __init__(self, functions):
         self.functions = tuple(functions)

@@ -1,6 +1,7 @@
 """Reading a functional model's graph: where its token embedding, decoders,
 head and encoder are. Done once per model; `adapter.py` runs what it finds."""
 
+import dataclasses
 import warnings
 
 import keras
@@ -51,7 +52,8 @@ class GraphPlan:
     decoder), `head` (list of `(layer, call kwargs)` after it),
     `vocabulary_size`, `prompt_index` (the token-id input), and for
     encoder-decoder models `encoder` (a `keras.Model` of the encoder inputs),
-    `encoder_indices` and `source_embedding` (whose mask pads the source).
+    `encoder_indices`, `source_embedding` (whose mask pads the source) and
+    `source_specs` (what `generate` checks each encoder input against).
     """
 
     def __init__(self, model):
@@ -72,6 +74,7 @@ class GraphPlan:
                 "encoder output."
             )
         self.encoder, self.encoder_indices, self.source_embedding = None, [], None
+        self.source_specs = []
         if encoder_outputs:
             self._plan_encoder(next(iter(encoder_outputs.values())))
         self.outputs_probabilities = _ends_in_softmax(self.head)
@@ -146,6 +149,24 @@ class GraphPlan:
             [self.inputs[i] for i in self.encoder_indices], encoder_output
         )
         self.source_embedding = self._masking_embedding(encoder_output)
+        self.source_specs = [self._source_spec(i) for i in self.encoder_indices]
+
+    def _source_spec(self, index):
+        """`SourceSpec` of model input `index`: its name, shape and dtype,
+        and the vocabulary of the token embeddings that read it, if any."""
+        model_input = self.inputs[index]
+        sizes = [
+            _token_vocabulary(layer, kwargs)
+            for layer, inputs, kwargs, _ in self._producers.values()
+            if any(t is model_input for t in inputs)
+        ]
+        sizes = [size for size in sizes if size is not None]
+        return SourceSpec(
+            name=model_input.name,
+            shape=tuple(model_input.shape),
+            integer="int" in str(model_input.dtype),
+            vocabulary_size=min(sizes) if sizes else None,
+        )
 
     def _masking_embedding(self, tensor):
         """`(encoder input position, embedding)` of the first layer on the
@@ -181,6 +202,27 @@ class GraphPlan:
             )
         encoder_inputs = [inputs[i] for i in self.encoder_indices]
         return inputs[self.prompt_index], encoder_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """What an encoder input of the model expects: `shape` (the `keras.Input`'s,
+    batch first), int ids or not, and ids below `vocabulary_size` (None: no
+    token embedding reads it)."""
+
+    name: str
+    shape: tuple
+    integer: bool
+    vocabulary_size: int | None
+
+
+def _token_vocabulary(layer, kwargs):
+    """The number of ids `layer` embeds, if it is a token embedding (a Keras
+    `Embedding` called forward, or a layer with an int `vocabulary_size`)."""
+    if isinstance(layer, keras.layers.Embedding) and not kwargs.get("reverse"):
+        return layer.input_dim
+    size = getattr(layer, "vocabulary_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _one_input(inputs):

@@ -16,10 +16,16 @@ class Generator(keras.Model):
 
     `traces` counts how often the loop body was traced (or, where nothing
     compiles it, run).
+
+    Its own dtype policy is float32, whatever the global one: the loop's
+    numbers (temperature, penalties, probabilities, beam scores) are computed
+    in float32, and Keras does not cast its float inputs to a mixed policy's
+    compute dtype. The model's layers keep their own policies; the adapter
+    casts their logits to float32.
     """
 
     def __init__(self, adapter, settings, width, length, jit_compile):
-        super().__init__(name="keras_attn_generator")
+        super().__init__(name="keras_attn_generator", dtype="float32")
         self.adapter, self.settings = adapter, settings
         self.strategy = strategies.strategy(settings)
         self.width, self.length = width, length

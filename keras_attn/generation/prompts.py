@@ -1,5 +1,6 @@
 """Prompt layout: every row left-padded for decoding, then back to the
-user's layout. Plain numpy, before and after the compiled loop."""
+user's layout; and the checks of the prompt's and the encoder inputs' ids.
+Plain numpy, before and after the compiled loop."""
 
 import keras
 import numpy as np
@@ -9,9 +10,12 @@ def left_pad(prompt, pad_token_id):
     """Left-pad every row: `(prompt, pads per row, was right-padded)`.
 
     Raises unless the prompt is int ids `(batch, length)`, each row with at
-    least one token, all rows padded on the same side with no gaps.
+    least one token, all rows padded on the same side with no gaps. A Python
+    list of rows of different lengths is right-padded with `pad_token_id`.
     """
-    prompt = np.asarray(keras.ops.convert_to_numpy(prompt))
+    prompt = np.asarray(
+        keras.ops.convert_to_numpy(_right_pad_rows(prompt, pad_token_id))
+    )
     if prompt.ndim != 2 or prompt.dtype.kind not in "iu":
         raise ValueError(
             "The prompt must be int token ids `(batch, length)`. Received: "
@@ -42,6 +46,26 @@ def left_pad(prompt, pad_token_id):
             [np.roll(row, p) for row, p in zip(prompt, pads, strict=True)]
         )
     return prompt.astype("int32"), pads, right_padded
+
+
+def _right_pad_rows(prompt, pad_token_id):
+    """A list of 1-D rows of different lengths, right-padded to the longest
+    with `pad_token_id`; anything else unchanged."""
+    sequences = list | tuple | np.ndarray
+    if not isinstance(prompt, list | tuple) or not prompt:
+        return prompt
+    if not all(isinstance(row, sequences) for row in prompt):
+        return prompt
+    rows = [np.asarray(row) if len(row) else np.zeros(0, "int32") for row in prompt]
+    if any(row.ndim != 1 for row in rows) or len({len(row) for row in rows}) == 1:
+        return prompt
+    width = max(len(row) for row in rows)
+    return np.stack(
+        [
+            np.pad(row, (0, width - len(row)), constant_values=pad_token_id)
+            for row in rows
+        ]
+    )
 
 
 def decoding_length(settings, width, pads, right_padded):
@@ -87,9 +111,56 @@ def check_token_ids(prompt, vocabulary_size, **ids):
                     f"{vocabulary_size} of the model's embedding. "
                     f"Received: {name}={value}."
                 )
-    if prompt.size and (prompt.min() < 0 or prompt.max() >= vocabulary_size):
+    _check_id_range(
+        prompt, vocabulary_size, "The prompt's token ids", "the model's embedding"
+    )
+
+
+def _check_id_range(ids, vocabulary_size, what, embedding):
+    if ids.size and (ids.min() < 0 or ids.max() >= vocabulary_size):
         raise ValueError(
-            "The prompt's token ids must be in [0, vocabulary_size="
-            f"{vocabulary_size}) of the model's embedding. Received: ids from "
-            f"{prompt.min()} to {prompt.max()}."
+            f"{what} must be in [0, vocabulary_size={vocabulary_size}) "
+            f"of {embedding}. Received: ids from {ids.min()} to {ids.max()}."
         )
+
+
+def check_sources(sources, specs, batch):
+    """The encoder inputs as numpy arrays, each checked against its
+    `graph.SourceSpec`: an array of the input's shape, one row per prompt row
+    (`batch`), int ids in the vocabulary of the embedding that reads them."""
+    return [
+        _check_source(source, spec, batch)
+        for source, spec in zip(sources, specs, strict=True)
+    ]
+
+
+def _check_source(source, spec, batch):
+    name = f"The encoder input {spec.name!r} of `inputs`"
+    expected = (batch, *spec.shape[1:])
+    try:
+        array = np.asarray(keras.ops.convert_to_numpy(source))
+    except ValueError:  # numpy refuses rows of different lengths
+        raise ValueError(
+            f"{name} must be an array of shape {expected}. Received rows of "
+            "different lengths: pad them to one length (with the id its "
+            "embedding masks, 0 for `mask_zero=True`)."
+        ) from None
+    if array.ndim != len(expected) or any(
+        want is not None and want != got
+        for want, got in zip(expected, array.shape, strict=True)
+    ):
+        raise ValueError(
+            f"{name} must have shape {expected}: one row per prompt row "
+            f"(batch={batch}), the rest as its keras.Input's {spec.shape}. "
+            f"Received: shape={array.shape}."
+        )
+    kinds = "iu" if spec.integer else "biuf"
+    if array.dtype.kind not in kinds:
+        raise ValueError(
+            f"{name} must be {'int token ids' if spec.integer else 'numbers'}. "
+            f"Received: dtype={array.dtype}."
+        )
+    if spec.vocabulary_size is not None:
+        what = f"The token ids of the encoder input {spec.name!r} of `inputs`"
+        _check_id_range(array, spec.vocabulary_size, what, "its embedding")
+    return array

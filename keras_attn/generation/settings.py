@@ -147,7 +147,7 @@ def _check_lengths(max_length, max_new_tokens):
             f"max_length={max_length!r}, max_new_tokens={max_new_tokens!r}."
         )
     _check_optional_int("max_length", max_length, 1)
-    _check_optional_int("max_new_tokens", max_new_tokens, 1)
+    _check_optional_int("max_new_tokens", max_new_tokens, 0)
 
 
 def _end_token_ids(end_token_id):

@@ -133,7 +133,7 @@ GENERATE_ROWS = [
     ),
     generate_row({"max_length": None}, ValueError, r"exactly one of.*max_length=None"),
     generate_row(
-        {"max_length": None, "max_new_tokens": 0}, ValueError, r"max_new_tokens=0"
+        {"max_length": None, "max_new_tokens": -1}, ValueError, r"max_new_tokens=-1"
     ),
     generate_row({"min_new_tokens": -1}, ValueError, r"min_new_tokens=-1"),
     generate_row({"min_new_tokens": 1.0}, TypeError, r"min_new_tokens=1.0 of type"),
