@@ -190,6 +190,32 @@ def get_keras_object(name, get, identifier):
         ) from error
 
 
+def check_size(name, value, ranks=(0,), minimum=0):
+    """Raise unless `value` is an int (>= `minimum`, unless `None`) or an int
+    tensor of one of `ranks`, whose values are not read (it may be traced).
+    A symbolic dimension (a traced length: torch's `SymInt`, a JAX shape
+    expression) passes unchecked."""
+    expected = "an int" + ("" if minimum is None else f" >= {minimum}")
+    expected += " or a scalar int tensor" if ranks == (0,) else " or an int tensor"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if minimum is not None and value < minimum:
+            raise ValueError(f"`{name}` must be {expected}. Received: {name}={value}.")
+        return
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        if "int" not in dtype or len(value.shape) not in ranks:
+            raise TypeError(
+                f"`{name}` must be {expected} of rank {' or '.join(map(str, ranks))}. "
+                f"Received: {name}.dtype={dtype}, {name}.shape={tuple(value.shape)}."
+            )
+        return
+    if value is None or isinstance(value, bool | numbers.Number | str | list | tuple):
+        raise TypeError(
+            f"`{name}` must be {expected}. "
+            f"Received: {name}={value!r} of type {type(value).__name__}."
+        )
+
+
 # --- Tensors (static shapes and dtypes) ---------------------------------------
 
 
@@ -293,6 +319,45 @@ def check_positions(positions, batch, length, rope_max_wavelength):
             f"Received: positions.dtype={dtype}."
         )
     check_mask("positions", positions, {1: (length,), 2: (batch, length)})
+
+
+def check_attention_inputs(query, key, value, mask=None, bias=None, heads_major=False):
+    """Raise unless `query` `(B, T, H, D)`, `key` `(B, S, K, D)` and `value`
+    `(B, S, K, Dv)` (keys and values `(B, K, S, D)` with `heads_major`) fit
+    together, `K` dividing `H`, and `mask` and `bias` fit the weights
+    `(B, H, T, S)`; dims compared where both are known."""
+    layout = (
+        "(batch, heads, length, width)"
+        if heads_major
+        else "(batch, length, heads, width)"
+    )
+    check_rank("query", query.shape, 4, "(batch, length, heads, width)")
+    check_rank("key", key.shape, 4, layout)
+    check_rank("value", value.shape, 4, layout)
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if any(dims_differ(a, b) for a, b in zip(k[:-1], v[:-1], strict=True)):
+        raise ValueError(
+            "`key` and `value` must agree on every dimension but the last "
+            f"(batch, length and heads). Received: key.shape={k}, value.shape={v}."
+        )
+    heads, length = (k[1], k[2]) if heads_major else (k[2], k[1])
+    if dims_differ(q[0], k[0]) or dims_differ(q[-1], k[-1]):
+        raise ValueError(
+            "`query` and `key` must have the same batch size and the same "
+            f"width (last dimension). Received: query.shape={q}, key.shape={k}."
+        )
+    if _known(q[2]) and _known(heads) and q[2] % heads:
+        raise ValueError(
+            f"The key/value heads ({heads}) must divide the query heads ({q[2]}) "
+            f"(grouped-query attention). Received: query.shape={q}, key.shape={k}"
+            f"{', heads_major=True' if heads_major else ''}."
+        )
+    weights = (q[0], q[2], q[1], length)  # (B, H, T, S)
+    ranks = {2: weights[2:], 3: (q[0], *weights[2:]), 4: weights}
+    check_mask("mask", mask, ranks, broadcast=True)
+    check_broadcastable(
+        "bias", bias, weights, "(batch, heads, query_length, key_length)"
+    )
 
 
 # --- Tensor values (eager calls only) -----------------------------------------

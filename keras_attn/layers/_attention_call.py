@@ -22,9 +22,9 @@ from keras_attn._checks import (
 from keras_attn.layers._attention_axes import AttentionAxes
 from keras_attn.layers._kv_cache import check_cache
 from keras_attn.ops.masks import (
-    causal_mask,
+    causal,
     merge_attention_masks,
-    sliding_window_mask,
+    window_band,
 )
 from keras_attn.ops.plan import fused_limits, refuse_flash
 
@@ -123,7 +123,7 @@ class AttentionCall:
         if self.cache_update_index is not None:  # queries at index, index + 1, ...
             offset = self.cache_update_index
             if self.use_causal_mask:
-                masks.append(causal_mask(query_length, key_length, offset))
+                masks.append(causal(query_length, key_length, offset))
             else:  # every key written so far
                 written = (
                     ops.arange(0, key_length, dtype="int32")
@@ -131,9 +131,7 @@ class AttentionCall:
                 )
                 masks.append(ops.expand_dims(written, 0))
         if sliding_window is not None:
-            masks.append(
-                sliding_window_mask(query_length, key_length, sliding_window, offset)
-            )
+            masks.append(window_band(query_length, key_length, sliding_window, offset))
         return masks
 
 
@@ -149,15 +147,7 @@ def check_shapes(layer, query_shape, value_shape, key_shape):
         )
     for name, shape in (("value", value_shape), ("key", key_shape)):
         check_rank(name, shape, rank, "the rank of `query`")
-    if any(
-        dims_differ(a, b)
-        for a, b in zip(value_shape[1:-1], key_shape[1:-1], strict=True)
-    ):
-        raise ValueError(
-            "All dimensions of `value` and `key`, except the last one, must "
-            f"be equal. Received: value_shape={tuple(value_shape)}, "
-            f"key_shape={tuple(key_shape)}."
-        )
+    _check_key_value_agree(key_shape, value_shape)
     for name, shape in (
         ("query", query_shape),
         ("value", value_shape),
@@ -169,13 +159,35 @@ def check_shapes(layer, query_shape, value_shape, key_shape):
                 f"Received: {name}_shape={tuple(shape)}."
             )
     axes = AttentionAxes(layer.attention_axes, rank)
-    if any(dims_differ(query_shape[a], value_shape[a]) for a in axes.batch):
-        raise ValueError(
-            "`query` and `value` must be equal on the axes that attention "
-            f"does not run over, {list(axes.batch)}. Received: "
-            f"query_shape={tuple(query_shape)}, value_shape={tuple(value_shape)}."
-        )
+    _check_batch_axes(axes, query_shape, value_shape)
     return axes
+
+
+def _check_key_value_agree(key_shape, value_shape):
+    """Raise unless `key` and `value` agree on every dimension but the last."""
+    if any(
+        dims_differ(a, b) for a, b in zip(key_shape[:-1], value_shape[:-1], strict=True)
+    ):
+        raise ValueError(
+            "`key` and `value` must have the same length and batch size: all "
+            "dimensions but the last one must be equal (as in Keras). "
+            f"Received: key.shape={tuple(key_shape)}, "
+            f"value.shape={tuple(value_shape)}."
+        )
+
+
+def _check_batch_axes(axes, query_shape, value_shape):
+    """Raise unless `query` and `value` agree on the batch axis and on the
+    other axes attention does not run over (static dims only: a batch of
+    `None` is not read from the tensors)."""
+    if any(dims_differ(query_shape[a], value_shape[a]) for a in (0, *axes.batch)):
+        others = f" and size on axes {list(axes.batch)}" if axes.batch else ""
+        raise ValueError(
+            f"`query` and `value` must have the same batch size{others} (the "
+            "axes attention does not run over). "
+            f"Received: query.shape={tuple(query_shape)}, "
+            f"value.shape={tuple(value_shape)}."
+        )
 
 
 def check_heads(layer, rank, query_width):
@@ -269,16 +281,8 @@ def _check_inputs(layer, query, value, key, projected):
         check_float(name, tensor)
         if name == "query" or projected:
             check_width(name, tensor.shape, layer._widths[name])
-    if any(
-        dims_differ(a, b)
-        for a, b in zip(key.shape[1:-1], value.shape[1:-1], strict=True)
-    ):
-        raise ValueError(
-            "`key` and `value` must have the same length (all dimensions "
-            "but the last one equal). "
-            f"Received: key.shape={tuple(key.shape)}, "
-            f"value.shape={tuple(value.shape)}."
-        )
+    _check_key_value_agree(key.shape, value.shape)
+    _check_batch_axes(layer._axes, query.shape, value.shape)
 
 
 def _check_attention_mask(layer, attention_mask, inner, key_inner):

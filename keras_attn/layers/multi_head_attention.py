@@ -37,6 +37,7 @@ from keras_attn.layers._projections import (
     project,
     projection,
 )
+from keras_attn.ops.attention import attend
 from keras_attn.ops.plan import fused_limits, refuse_flash
 
 
@@ -97,8 +98,10 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         sliding_window: int >= 1. Query `i` attends only to keys `j` with
             `|i - j| < sliding_window`; with `use_causal_mask=True` this is
             the causal sliding window of Mistral. Defaults to `None`.
-        flash_attention: `None` (fused kernels where they compute the same),
-            `True` (require a fused kernel: raises with `dropout`,
+        flash_attention: `None` (fused kernels where they compute the same,
+            none after `keras.config.disable_flash_attention()`, as in Keras'
+            layer), `True` (require a fused kernel, whatever Keras' switch
+            says: raises with `dropout`,
             `logit_soft_cap`, `return_attention_scores=True`, and where the
             backend has none for the inputs; on PyTorch, any of torch's
             fused kernels, not its composite one) or `False` (always the explicit
@@ -346,7 +349,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         q, k, v, cache = self._queries_keys_values(call)
         lengths = ops.shape(q)[1], ops.shape(k)[1 if cache is None else 2]
         mask, causal = call.merged_mask(self._axes, self.sliding_window, lengths)
-        result = attn_ops.dot_product_attention(
+        result = attend(
             q, k, v,
             mask=mask,
             bias=attention_bias,

@@ -5,7 +5,11 @@ import math
 import keras
 from keras import ops
 
-from keras_attn._checks import exported_by_torch
+from keras_attn._checks import (
+    check_attention_inputs,
+    check_positive_float,
+    exported_by_torch,
+)
 from keras_attn.ops.kernels import chunked, explicit, fused
 from keras_attn.ops.kernels.options import KernelOptions
 from keras_attn.ops.masks import merge_attention_masks
@@ -42,7 +46,9 @@ def dot_product_attention(
     heads for `H` query heads) reach the kernels unrepeated (but where the
     plan says a fused kernel needs them repeated). A query row whose mask
     allows no key at all attends to nothing: its output and its weights are
-    zeros, never NaN.
+    zeros, never NaN. A NaN in the inputs gives NaN, but for torch's fused
+    CPU kernel, which gives zeros for a query row holding a NaN where no mask
+    or bias reaches it (torch's behaviour, left as it is: see the README).
 
     Args:
         query: `(B, T, H, D)`.
@@ -58,10 +64,11 @@ def dot_product_attention(
         is_causal: bool. Also apply a lower-triangular mask (query `i` sees
             keys `j <= i`). Defaults to `False`.
         scale: float. Logit scale; defaults to `1 / sqrt(D)`.
-        flash_attention: `None` (fused where it computes the same), `True`
-            (require a fused kernel; raises where the backend has none for
-            the inputs) or `False` (always the explicit path, in chunks for long
-            sequences). Defaults to `None`.
+        flash_attention: `None` (fused where it computes the same, unless
+            `keras.config.disable_flash_attention()` was called), `True`
+            (require a fused kernel, whatever Keras' switch says; raises where
+            the backend has none for the inputs) or `False` (always the
+            explicit path, in chunks for long sequences). Defaults to `None`.
         dropout: optional callable applied to the weights; it forces the
             explicit path, so pass it only when dropout is active.
         return_scores: bool. Also return the weights `(B, H, T, S)` (before
@@ -82,10 +89,30 @@ def dot_product_attention(
     >>> tuple(out.shape)
     (2, 3, 4, 8)
     """
-    if logit_soft_cap is not None and not logit_soft_cap > 0:
-        raise ValueError(
-            f"`logit_soft_cap` must be > 0. Received: logit_soft_cap={logit_soft_cap}."
-        )
+    check_attention_inputs(query, key, value, mask, bias, heads_major)
+    check_positive_float("logit_soft_cap", logit_soft_cap, allow_none=True)
+    return attend(
+        query, key, value, mask, bias, is_causal, scale, flash_attention,
+        dropout, return_scores, heads_major, logit_soft_cap,
+    )  # fmt: skip
+
+
+def attend(
+    query,
+    key,
+    value,
+    mask=None,
+    bias=None,
+    is_causal=False,
+    scale=None,
+    flash_attention=None,
+    dropout=None,
+    return_scores=False,
+    heads_major=False,
+    logit_soft_cap=None,
+):
+    """`dot_product_attention` without its checks, for callers that checked
+    what they pass (the layers check their own calls, once)."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))

@@ -6,7 +6,7 @@ import math
 
 from keras import ops
 
-from keras_attn._checks import check_positive_int
+from keras_attn._checks import check_positive_float, check_positive_int, check_size
 
 __all__ = [
     "alibi_bias",
@@ -34,10 +34,11 @@ def causal_mask(query_length, key_length, query_offset=0):
     """Boolean lower-triangular mask: query `i` may attend to key `j <= i + offset`.
 
     Args:
-        query_length: int or scalar tensor. Number of query positions.
-        key_length: int or scalar tensor. Number of key positions.
-        query_offset: int or scalar tensor. Absolute position of the first query,
-            e.g. the cache index during step-by-step decoding. Defaults to `0`.
+        query_length: int >= 0 or scalar int tensor. Number of query positions.
+        key_length: int >= 0 or scalar int tensor. Number of key positions.
+        query_offset: int >= 0 or scalar int tensor. Absolute position of the
+            first query, e.g. the cache index during step-by-step decoding.
+            Defaults to `0`.
 
     Returns:
         Bool tensor `(query_length, key_length)`, True where attention is allowed.
@@ -48,6 +49,13 @@ def causal_mask(query_length, key_length, query_offset=0):
            [1, 1, 0],
            [1, 1, 1]])
     """
+    _check_positions(query_length, key_length, query_offset)
+    return causal(query_length, key_length, query_offset)
+
+
+def causal(query_length, key_length, query_offset=0):
+    """`causal_mask` without its checks, for callers that checked (the
+    kernels and the layers, once per call)."""
     return offsets(query_length, key_length, query_offset) <= 0
 
 
@@ -60,10 +68,10 @@ def sliding_window_mask(query_length, key_length, window, query_offset=0):
     itself and the `window - 1` keys before it).
 
     Args:
-        query_length: int or scalar tensor. Number of query positions.
-        key_length: int or scalar tensor. Number of key positions.
+        query_length: int >= 0 or scalar int tensor. Number of query positions.
+        key_length: int >= 0 or scalar int tensor. Number of key positions.
         window: int >= 1. Width of the band on each side, the query included.
-        query_offset: int or scalar tensor. Absolute position of the first
+        query_offset: int >= 0 or scalar int tensor. Absolute position of the first
             query. Defaults to `0`.
 
     Returns:
@@ -77,7 +85,22 @@ def sliding_window_mask(query_length, key_length, window, query_offset=0):
            [0, 1, 1, 1],
            [0, 0, 1, 1]])
     """
+    _check_positions(query_length, key_length, query_offset)
+    check_positive_int("window", window)
+    return window_band(query_length, key_length, window, query_offset)
+
+
+def window_band(query_length, key_length, window, query_offset=0):
+    """`sliding_window_mask` without its checks, for callers that checked."""
     return ops.abs(offsets(query_length, key_length, query_offset)) < window
+
+
+def _check_positions(query_length, key_length, query_offset):
+    """Raise unless the lengths and the offset are ints >= 0 or scalar int
+    tensors (not read: they may be traced)."""
+    check_size("query_length", query_length)
+    check_size("key_length", key_length)
+    check_size("query_offset", query_offset)
 
 
 def _alibi_slopes(num_heads, max_bias):
@@ -108,12 +131,12 @@ def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0
 
     Args:
         num_heads: int. Number of query heads.
-        query_length: int or scalar tensor. Number of query positions.
-        key_length: int or scalar tensor. Number of key positions.
-        query_offset: int or scalar tensor. Absolute position of the first
+        query_length: int >= 0 or scalar int tensor. Number of query positions.
+        key_length: int >= 0 or scalar int tensor. Number of key positions.
+        query_offset: int >= 0 or scalar int tensor. Absolute position of the first
             query, e.g. the cache index in step-by-step decoding. Defaults
             to `0`.
-        max_bias: float. The slopes are `2**(-max_bias * k / num_heads)`.
+        max_bias: float > 0. The slopes are `2**(-max_bias * k / num_heads)`.
             Defaults to `8.0`, the paper's value.
 
     Returns:
@@ -125,6 +148,8 @@ def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0
     [[0.0, -0.0625, -0.125], [-0.0625, 0.0, -0.0625], [-0.125, -0.0625, 0.0]]
     """
     check_positive_int("num_heads", num_heads)
+    _check_positions(query_length, key_length, query_offset)
+    check_positive_float("max_bias", max_bias)
     # Python floats, not numpy: a constant under `torch.compile`.
     slopes = ops.convert_to_tensor(_alibi_slopes(num_heads, max_bias), "float32")
     distance = ops.abs(offsets(query_length, key_length, query_offset))

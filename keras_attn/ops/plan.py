@@ -2,9 +2,10 @@
 
 `plan_attention` is the one place that chooses the kernel. It reads only
 static facts (shapes, dtypes, the backend and its device, which masks and
-options a call has) and returns a frozen `AttentionPlan`; the kernels in
-`keras_attn.ops.kernels` carry it out and decide nothing. Every rule a kernel
-imposes is written here once, each with its source:
+options a call has, Keras' global flash attention switch) and returns a
+frozen `AttentionPlan`; the kernels in `keras_attn.ops.kernels` carry it out
+and decide nothing. Every rule a kernel imposes is written here once, each
+with its source:
 
 Correctness limits first. Where `flash_attention=True` asks for what they
 rule out, it raises (`refuse_flash`) rather than falling back.
@@ -16,13 +17,20 @@ rule out, it raises (`refuse_flash`) rather than falling back.
    JAX and PyTorch). Explicit; with `flash_attention=True`, a `ValueError`.
 3. `flash_attention=True`: fused (the backend raises where it has no fused
    kernel for the inputs; on PyTorch its composite kernel is ruled out).
-4. TensorFlow: explicit. Keras has no fused TensorFlow kernel, and its op
+4. `keras.config.disable_flash_attention()` (`is_flash_attention_enabled()`
+   is `False`; read when the call is planned, so a compiled function keeps
+   the switch it was traced with): explicit. It rules out every fused kernel,
+   torch's too. As in Keras' own `MultiHeadAttention` (`flash_attention or
+   is_flash_attention_enabled()`), it decides only for `flash_attention=None`:
+   an explicit `True` wins (and `False` stays explicit);
+   `keras.config.enable_flash_attention()` restores the default.
+5. TensorFlow: explicit. Keras has no fused TensorFlow kernel, and its op
    fails for one key/value head and forms half-precision logits (which
    overflow float16 to NaN).
-5. JAX on a CPU, with at least `CHUNKED_FROM` logits per batch row:
+6. JAX on a CPU, with at least `CHUNKED_FROM` logits per batch row:
    explicit, in chunks. XLA's CPU attention materializes the logits and keeps
    them for the gradient (memory rule: `benchmarks/long_sequence.py`).
-6. Otherwise: fused, heads-major caches too: on PyTorch torch's own
+7. Otherwise: fused, heads-major caches too: on PyTorch torch's own
    `scaled_dot_product_attention` with torch's kernel choice, elsewhere
    `keras.ops.dot_product_attention`. While `torch.export` traces a length
    it keeps dynamic, torch's composite kernel only: the fused kernels' shape
@@ -78,6 +86,9 @@ __all__ = [
 CHUNKED_FROM = 2**26
 CHUNK_LOGITS = 2**25
 MIN_CHUNK_ROWS = 16
+
+# Rule 4's reason.
+FLASH_DISABLED = "flash attention disabled by keras.config.disable_flash_attention()"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +198,10 @@ def plan_attention(
 
 
 def _explicit_here(backend, platform, chunk_rows):
-    """Rules 4 and 5: where the explicit path runs though a fused kernel
+    """Rules 4 to 6: where the explicit path runs though a fused kernel
     could compute the same."""
+    if keras.config.is_flash_attention_enabled() is False:
+        return (FLASH_DISABLED,)
     if backend == "tensorflow":
         return ("no fused TensorFlow kernel in Keras",)
     if backend == "jax" and chunk_rows and platform == "cpu":

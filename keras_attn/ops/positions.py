@@ -6,7 +6,7 @@ float64 (Python floats), so every backend evaluates the same numbers.
 
 from keras import ops
 
-from keras_attn._checks import check_positive_float
+from keras_attn._checks import check_positive_float, check_positive_int, check_size
 from keras_attn.ops.dtypes import at_least_float32
 
 __all__ = ["rotary_embedding", "sinusoidal_position_encoding"]
@@ -24,9 +24,9 @@ def sinusoidal_position_encoding(
     evaluates the same float32 angles. Any length and any (odd too) `dim`.
 
     Args:
-        length: int or scalar int tensor. Number of positions.
-        dim: int. Width of the encoding.
-        max_wavelength: float. The base of the geometric wavelength progression.
+        length: int >= 0 or scalar int tensor. Number of positions.
+        dim: int > 0. Width of the encoding.
+        max_wavelength: float > 0. The base of the geometric wavelength progression.
             Defaults to `10000.0`.
         start_index: int, scalar int tensor, or int tensor `(batch,)` of one
             start per sequence. Position of the first row. Defaults to `0`.
@@ -43,6 +43,10 @@ def sinusoidal_position_encoding(
     >>> [round(float(v), 4) for v in keras.ops.convert_to_numpy(table)[1, :2]]
     [0.8415, 0.5403]
     """
+    check_size("length", length)
+    check_positive_int("dim", dim)
+    check_positive_float("max_wavelength", max_wavelength)
+    check_size("start_index", start_index, ranks=(0, 1), minimum=None)
     inverse_frequency = inverse_frequencies(
         max_wavelength, [2 * (channel // 2) / dim for channel in range(dim)]
     )  # (dim,)

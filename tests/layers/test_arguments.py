@@ -390,8 +390,9 @@ def unbuilt(cls, **kwargs):
     return target
 
 
-def call_row(target, kwargs, error, match):
+def call_row(target, kwargs, error, match, what=None):
     name = "-".join(kwargs) or "baseline"
+    name += f"-{what}" if what else ""
     return pytest.param(target, kwargs, error, match, id=f"{target.__name__}-{name}")
 
 
@@ -520,6 +521,30 @@ CALL_ROWS = [
         {"key": random_floats(B, S + 1, VW)},
         ValueError,
         r"`key` and `value` must have the same length.*key.shape=\(2, 6, 6\)",
+    ),
+    # Issue 28, item 4: batches that differ, ours to say, not the backend's.
+    call_row(
+        mha_cross,
+        {"value": random_floats(B + 1, S, VW)},
+        ValueError,
+        r"`query` and `value` must have the same batch size.*"
+        r"query.shape=\(2, 3, 8\), value.shape=\(3, 5, 6\)",
+        what="batch",
+    ),
+    call_row(
+        mha_cross,
+        {"key": random_floats(B + 1, S, VW)},
+        ValueError,
+        r"`key` and `value` must have the same length and batch size.*"
+        r"key.shape=\(3, 5, 6\)",
+        what="batch",
+    ),
+    call_row(
+        unbuilt(MultiHeadAttention, num_heads=2),
+        {"query": random_floats(B, T, W), "value": random_floats(B + 1, S, VW)},
+        ValueError,
+        r"`query` and `value` must have the same batch size.*value.shape=\(3, 5, 6\)",
+        what="batch",
     ),
     *mask_rows(mha_cross, "query_mask", (B, T)),
     *mask_rows(mha_cross, "mask", (B, T)),

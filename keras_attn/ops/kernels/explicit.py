@@ -11,7 +11,7 @@ from keras import ops
 
 from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.masks import (
-    causal_mask,
+    causal,
     merge_attention_masks,
     open_empty_rows,
     zero_empty_rows,
@@ -29,7 +29,7 @@ def attention(query, key, value, mask, bias, causal_offset, options):
         length = ops.shape(query)[1]
         key_length = ops.shape(key)[2 if options.heads_major else 1]
         mask = merge_attention_masks(
-            mask, causal_mask(length, key_length, query_offset=causal_offset)
+            mask, causal(length, key_length, query_offset=causal_offset)
         )
     has_key = None
     if mask is not None:

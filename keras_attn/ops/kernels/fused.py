@@ -10,7 +10,7 @@ import numpy as np
 from keras import ops
 
 from keras_attn.ops.masks import (
-    causal_mask,
+    causal,
     merge_attention_masks,
     open_empty_rows,
     zero_empty_rows,
@@ -28,7 +28,7 @@ def attention(query, key, value, mask, bias, is_causal, plan, options):
     key_axis, head_axis = (2, 1) if options.heads_major else (1, 2)
     if is_causal and not plan.is_causal:
         length, key_length = ops.shape(query)[1], ops.shape(key)[key_axis]
-        mask = merge_attention_masks(mask, causal_mask(length, key_length))
+        mask = merge_attention_masks(mask, causal(length, key_length))
     has_key = None
     if mask is not None:
         mask, has_key = open_empty_rows(mask)
