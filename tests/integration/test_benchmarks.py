@@ -1,5 +1,5 @@
 """The benchmarks' measuring protocol (warm-up calls, medians, peak memory), and
-the GPU benchmark's smoke run on a CPU."""
+the smoke runs of the GPU and the PyTorch overhead benchmarks on a CPU."""
 
 import os
 import re
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import memory, timing
-from tests.helpers.backend import BACKEND
+from tests.helpers.backend import BACKEND, require
 from tests.helpers.processes import ROOT
 
 
@@ -112,3 +112,36 @@ def test_gpu_benchmark_smoke_run_names_the_device_and_writes_three_tables(tmp_pa
     assert "out of memory" not in text
     if BACKEND == "jax":  # On PyTorch the compiled loop is the one left out.
         assert "loops give the same tokens: yes." in text
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(BACKEND != "torch", reason="measures PyTorch against torch.nn")
+def test_torch_overhead_smoke_run_writes_every_row_against_native(tmp_path):
+    """`benchmarks/torch_overhead.py --quick`: a row per step and contender,
+    each with its time, aten op count and ratios against native torch."""
+    require("keras_hub")
+    command = [sys.executable, str(ROOT / "benchmarks" / "torch_overhead.py")]
+    command += ["--quick", "--results", str(tmp_path)]
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = (tmp_path / "torch_overhead.md").read_text()
+    assert "Smoke run (`--quick`)" in text and "Machine: " in text
+    assert "Load average" in text
+    native = [(step, "torch.nn (native)") for step in ("forward", "train step")]
+    native += [("new token", "torch static cache (native)")]
+    rows = native + [("forward", "torch.nn (native), eval() fast path")]
+    rows += [
+        (step, name) for step, _ in native[:2] for name in ("keras_attn", "keras-hub")
+    ]
+    rows += [("new token", "keras_attn generate")]
+    for step, name in rows:  # ms, vs native, ops, vs native, top-level ops, outside
+        cells = r" \| ".join(
+            [step, re.escape(name), r"\d+\.\d{3}", r"\d+\.\d\dx", r"\d+"]
+            + [r"\d+\.\d\dx", r"\d+", r"-?\d+%"]
+        )
+        assert re.search(rf"\| {cells} \|\n", text), (step, name)
+    for step, name in native:
+        assert re.search(rf"\| {step} \| {re.escape(name)} \| [^|]+ \| 1\.00x", text)
