@@ -321,6 +321,28 @@ def check_positions(positions, batch, length, rope_max_wavelength):
     check_mask("positions", positions, {1: (length,), 2: (batch, length)})
 
 
+def check_attention_options(
+    is_causal, scale, flash_attention, dropout, return_scores, heads_major
+):
+    """Raise unless the options of an attention call have their types:
+    bools, `flash_attention` a bool or `None`, `scale` a positive float or
+    `None`, `dropout` a callable (applied to the weights) or `None`."""
+    for name, value in (
+        ("is_causal", is_causal),
+        ("return_scores", return_scores),
+        ("heads_major", heads_major),
+    ):
+        check_bool(name, value)
+    check_bool("flash_attention", flash_attention, allow_none=True)
+    check_positive_float("scale", scale, allow_none=True)
+    if dropout is not None and not callable(dropout):
+        raise TypeError(
+            "`dropout` must be a callable applied to the attention weights "
+            "(e.g. a `keras.layers.Dropout`) or None. "
+            f"Received: dropout={dropout!r} of type {type(dropout).__name__}."
+        )
+
+
 def check_attention_inputs(query, key, value, mask=None, bias=None, heads_major=False):
     """Raise unless `query` `(B, T, H, D)`, `key` `(B, S, K, D)` and `value`
     `(B, S, K, Dv)` (keys and values `(B, K, S, D)` with `heads_major`) fit
@@ -334,6 +356,12 @@ def check_attention_inputs(query, key, value, mask=None, bias=None, heads_major=
     check_rank("query", query.shape, 4, "(batch, length, heads, width)")
     check_rank("key", key.shape, 4, layout)
     check_rank("value", value.shape, 4, layout)
+    dtypes = [keras.backend.standardize_dtype(x.dtype) for x in (query, key, value)]
+    if "float" not in dtypes[0] or len(set(dtypes)) > 1:
+        raise TypeError(
+            "`query`, `key` and `value` must be float tensors of one dtype. "
+            f"Received: dtypes {dtypes[0]}, {dtypes[1]} and {dtypes[2]}."
+        )
     q, k, v = (tuple(x.shape) for x in (query, key, value))
     if any(dims_differ(a, b) for a, b in zip(k[:-1], v[:-1], strict=True)):
         raise ValueError(

@@ -100,6 +100,15 @@ def cuda_sdpa(monkeypatch):
 
 
 @pytest.fixture
+def xla_gpu(monkeypatch):
+    """JAX and TensorFlow: keras_attn's int8 layers pad as on a GPU
+    (`tests/helpers/doubles.py`)."""
+    from tests.helpers.doubles import hold_int8_to_xla_gpu
+
+    hold_int8_to_xla_gpu(monkeypatch)
+
+
+@pytest.fixture
 def cuda_graphs(monkeypatch):
     """PyTorch: `generate`'s compiled steps replay like CUDA graphs
     (`tests/helpers/doubles.py`); returns the replays."""

@@ -120,8 +120,8 @@ def generate(
             Defaults to `0`.
         max_new_tokens: int >= 0, keyword only. New tokens per row, instead
             of `max_length`: the result has `prompt_length + max_new_tokens`
-            columns. `0` returns the prompts as given (scores 0), after the
-            checks, without running the model.
+            columns. `0` returns the prompts (padded as described under
+            Padding; scores 0), after the checks, without running the model.
         min_new_tokens: int, keyword only. End tokens are not generated before
             this many new tokens. Defaults to `0`.
         repetition_penalty: float > 0, keyword only. Logits of tokens already
@@ -197,13 +197,9 @@ def generate(
         )
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
     plan.warn_if_probabilities(method)
-    if length == prompt.shape[1]:  # no new position: the model need not run
-        outputs = {"tokens": prompt, "scores": np.zeros(prompt.shape, "float32")}
-    else:
-        generator = _generator(
-            owner, plan, settings, prompt.shape[1], length, jit_compile
-        )
-        outputs = _run(generator, settings, prompt, pads, sources, on_token)
+    outputs = _decode(
+        owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token
+    )
     tokens = prompts.to_user_layout(
         outputs["tokens"].astype("int32"), pads, right_padded, returned, pad_token_id
     )
@@ -235,6 +231,17 @@ def _jit_compile(jit_compile):
     if jit_compile == "auto":
         return keras.config.backend() != "torch"
     return jit_compile
+
+
+def _decode(
+    owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token
+):
+    """Tokens and scores as numpy; with no new position, the prompts
+    themselves (the model need not run)."""
+    if length == prompt.shape[1]:
+        return {"tokens": prompt, "scores": np.zeros(prompt.shape, "float32")}
+    generator = _generator(owner, plan, settings, prompt.shape[1], length, jit_compile)
+    return _run(generator, settings, prompt, pads, sources, on_token)
 
 
 def _run(generator, settings, prompt, pads, sources, on_token):
@@ -308,10 +315,13 @@ class _FunctionPlan:
 
 
 def _generator(owner, plan, settings, width, length, jit_compile):
-    """The compiled loop for these settings, prompt width and length."""
+    """The compiled loop for these settings, prompt width and length, and
+    Keras' flash attention switch (which the attention plan reads when the
+    loop is traced)."""
     functions = getattr(plan, "functions", None)
     functions_key = functions and tuple(map(_function_key, functions))
-    key = (settings, width, length, jit_compile, functions_key)
+    flash = keras.config.is_flash_attention_enabled()
+    key = (settings, width, length, jit_compile, functions_key, flash)
     cache = _GENERATORS.setdefault(owner, {})
     if key in cache:
         return cache[key]

@@ -145,6 +145,11 @@ def _check_source(source, spec, batch):
             "different lengths: pad them to one length (with the id its "
             "embedding masks, 0 for `mask_zero=True`)."
         ) from None
+    if array.dtype.kind not in "biuf":  # None, strings, objects
+        raise TypeError(
+            f"{name} must be an array of numbers of shape {expected}. "
+            f"Received: {source!r} of type {type(source).__name__}."
+        )
     if array.ndim != len(expected) or any(
         want is not None and want != got
         for want, got in zip(expected, array.shape, strict=True)

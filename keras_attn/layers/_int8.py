@@ -3,10 +3,11 @@ computes right.
 
 XLA's GPU int8 x int8 dot returns garbage (an H100) or fails to compile (an
 H200) when a contracted size is not a multiple of 4 (`shared/gpu/FINDINGS.md`,
-section 2; Keras 3.15.1's own layers have the fault). On the backends that
-compile with XLA (JAX, TensorFlow), these subclasses zero-pad each contracted
-axis of the quantized inputs and kernel to a multiple of 4 just before that
-dot. Zeros add nothing to an integer sum, so every number is Keras' own.
+section 2; Keras 3.15.1's own layers have the fault). On a GPU, on the
+backends whose GPU dots XLA compiles (JAX, TensorFlow), these subclasses
+zero-pad each contracted axis of the quantized inputs and kernel to a
+multiple of 4 just before that dot. Zeros add nothing to an integer sum, so
+every number is Keras' own. Elsewhere (CPUs, PyTorch) nothing is padded.
 
 Only that one contraction is rewritten: in `_int8_call`, the forward pass of
 Keras' custom gradient. Quantizing, the inputs' gradient, LoRA, bias and
@@ -14,21 +15,27 @@ activation follow Keras' code line for line, and every other mode (float,
 int4, float8, weight-only int8) is Keras' layer untouched. Keras refuses to
 quantize a subclass (`type_check`, meant for subclasses that change `call`);
 these change no `call`, so they quantize as their parents do.
+
+The padded call uses the int8 internals of Keras 3.15 (`inputs_quantizer`,
+`quantization_axis`, `_adjust_scale_for_quant`); a Keras without them gets
+its own int8 call, fault included (each class's `keras_internals`).
 """
 
 import keras
 from keras import ops
 
+from keras_attn.ops.plan import platform_of
+
 MULTIPLE = 4  # XLA's GPU int8 dot: contracted sizes that are multiples of 4
 XLA_BACKENDS = ("jax", "tensorflow")
 
 
-def padding(equation, kernel_shape):
+def padding(equation, kernel_shape, inputs):
     """`{letter: pad}` for each contracted axis of `equation` (inputs, kernel
-    -> output) whose size is not a multiple of 4; empty off XLA backends."""
+    -> output) whose size is not a multiple of 4; empty but on an XLA GPU."""
     inputs_spec, rest = equation.split(",")
     kernel_spec, output_spec = rest.split("->")
-    if keras.config.backend() not in XLA_BACKENDS:
+    if keras.config.backend() not in XLA_BACKENDS or platform_of(inputs) != "gpu":
         return {}
     pads = {
         letter: -kernel_shape[axis] % MULTIPLE
@@ -55,12 +62,13 @@ class PaddedInt8:
     """The int8 call of a Keras `EinsumDense` or `Dense` subclass, its int8
     contraction padded on XLA backends; everything else is the parent's."""
 
-    def quantize(self, mode=None, type_check=True, config=None):
-        super().quantize(mode, type_check=False, config=config)
+    def quantize(self, mode=None, type_check=True, **kwargs):
+        super().quantize(mode, type_check=False, **kwargs)
 
     def _int8_call(self, inputs, training=None):
-        pads = padding(self.contraction, self._kernel.shape)
-        if not pads or not self.inputs_quantizer:
+        pads = padding(self.contraction, self._kernel.shape, inputs)
+        keras_has = all(hasattr(self, name) for name in self.keras_internals)
+        if not (pads and keras_has and self.inputs_quantizer):
             return super()._int8_call(inputs, training)
         x = self.padded_int8_contraction(pads)(
             inputs,
@@ -82,6 +90,12 @@ class PaddedInt8:
 @keras.saving.register_keras_serializable(package="keras_attn")
 class EinsumDense(PaddedInt8, keras.layers.EinsumDense):
     """`keras.layers.EinsumDense`, its int8 contraction padded for XLA."""
+
+    keras_internals = (
+        "inputs_quantizer",
+        "quantization_axis",
+        "_adjust_scale_for_quant",
+    )
 
     @property
     def contraction(self):
@@ -122,6 +136,8 @@ class EinsumDense(PaddedInt8, keras.layers.EinsumDense):
 @keras.saving.register_keras_serializable(package="keras_attn")
 class Dense(PaddedInt8, keras.layers.Dense):
     """`keras.layers.Dense`, its int8 contraction padded for XLA."""
+
+    keras_internals = ("inputs_quantizer",)
 
     contraction = "...a,ab->...b"
 

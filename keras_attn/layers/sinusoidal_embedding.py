@@ -6,7 +6,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_attn import ops as attn_ops
 from keras_attn._checks import (
     call_checks_skipped,
     check_bool,
@@ -26,6 +25,7 @@ from keras_attn.layers._machinery import (
     enable_lora,
     leaf_dtype,
 )
+from keras_attn.ops.positions import sinusoids
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -201,7 +201,7 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
             if self.scale_embeddings:
                 x = x * ops.convert_to_tensor(self.embedding_dim**0.5, x.dtype)
         length = ops.shape(x)[-2]
-        positions = attn_ops.sinusoidal_position_encoding(
+        positions = sinusoids(
             length,
             self._width,
             max_wavelength=self.max_wavelength,

@@ -7,6 +7,7 @@ from keras import ops
 
 from keras_attn._checks import (
     check_attention_inputs,
+    check_attention_options,
     check_positive_float,
     exported_by_torch,
 )
@@ -89,6 +90,9 @@ def dot_product_attention(
     >>> tuple(out.shape)
     (2, 3, 4, 8)
     """
+    check_attention_options(
+        is_causal, scale, flash_attention, dropout, return_scores, heads_major
+    )
     check_attention_inputs(query, key, value, mask, bias, heads_major)
     check_positive_float("logit_soft_cap", logit_soft_cap, allow_none=True)
     return attend(

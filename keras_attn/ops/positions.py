@@ -47,6 +47,12 @@ def sinusoidal_position_encoding(
     check_positive_int("dim", dim)
     check_positive_float("max_wavelength", max_wavelength)
     check_size("start_index", start_index, ranks=(0, 1), minimum=None)
+    return sinusoids(length, dim, max_wavelength, start_index, dtype)
+
+
+def sinusoids(length, dim, max_wavelength=10000.0, start_index=0, dtype="float32"):
+    """`sinusoidal_position_encoding` without its checks, for callers that
+    checked (`SinusoidalEmbedding`, once per call)."""
     inverse_frequency = inverse_frequencies(
         max_wavelength, [2 * (channel // 2) / dim for channel in range(dim)]
     )  # (dim,)

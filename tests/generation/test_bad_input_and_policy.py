@@ -136,6 +136,12 @@ SOURCE_ROWS = [
 ]
 
 
+@pytest.mark.parametrize("source", [None, "abc"], ids=repr)
+def test_encoder_inputs_that_are_no_arrays_are_a_type_error(translator, source):
+    with pytest.raises(TypeError, match=r"encoder input 'source'.*array of numbers"):
+        generate(translator, [source, STARTS], max_new_tokens=2)
+
+
 @pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
 @pytest.mark.parametrize("source, match", SOURCE_ROWS)
 def test_bad_encoder_inputs_are_refused_before_anything_runs(

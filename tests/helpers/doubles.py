@@ -100,6 +100,15 @@ def hold_compiled_steps_to_cuda_graphs(monkeypatch):
     return replays
 
 
+def hold_int8_to_xla_gpu(monkeypatch):
+    """keras_attn's int8 layers told that they run on a GPU, where XLA's int8
+    dot needs contracted sizes that are multiples of 4 (the rule:
+    `int8_contractions`), so that they pad on a CPU as they would there."""
+    from keras_attn.layers import _int8
+
+    monkeypatch.setattr(_int8, "platform_of", lambda tensor: "gpu")
+
+
 def int8_contractions(function, *args):
     """The contracted sizes, one tuple per dot, of every int8 x int8
     `dot_general` that JAX traces for `function(*args)`, nested calls

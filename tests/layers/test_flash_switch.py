@@ -19,15 +19,20 @@ B, T, H, S, K, D = 2, 3, 4, 5, 2, 8
 @pytest.fixture
 def flash_disabled():
     """`keras.config.disable_flash_attention()`, put back afterwards as it was
-    (Keras keeps it in its global state; `enable_flash_attention()` sets the
-    default, `None`)."""
-    from keras.src.backend.common import global_state
-
+    (Keras' public switch has two states: `None`, the default, which
+    `enable_flash_attention()` sets, and `False`)."""
     before = keras.config.is_flash_attention_enabled()
+    assert before in (None, False)
     keras.config.disable_flash_attention()
     assert keras.config.is_flash_attention_enabled() is False
     yield
-    global_state.set_global_attribute("flash_attention", before)
+    if before is None:
+        keras.config.enable_flash_attention()
+
+
+fuses = pytest.mark.skipif(
+    BACKEND == "tensorflow", reason="TensorFlow runs no fused kernel anyway"
+)
 
 
 def plan(backend, platform, **kwargs):
@@ -70,19 +75,25 @@ def test_enable_flash_attention_restores_the_default(flash_disabled, backend, pl
     assert plan(backend, platform).kernel == "fused"
 
 
+@fuses
 def test_the_op_runs_no_fused_kernel_after_disable(flash_disabled, fused_calls):
     """Keras' own op ignores the switch; ours honours it, with the explicit
     path's numbers."""
     q = random_floats(B, T, H, D, seed=1)
     kv = random_floats(B, S, K, D, seed=2)
+    keras.config.enable_flash_attention()
+    attn_ops.dot_product_attention(q, kv, kv, is_causal=True)
+    assert len(fused_calls) == 1  # fused at the default
+    keras.config.disable_flash_attention()
     output = attn_ops.dot_product_attention(q, kv, kv, is_causal=True)
-    assert fused_calls == []
+    assert len(fused_calls) == 1
     expected = attn_ops.dot_product_attention(
         q, kv, kv, is_causal=True, flash_attention=False
     )
     np.testing.assert_allclose(to_numpy(output), to_numpy(expected), atol=1e-6)
 
 
+@fuses
 def test_layers_run_no_fused_kernel_after_disable(flash_disabled, fused_calls):
     """Our `MultiHeadAttention`, created before the switch or after (the plan
     reads it at each call), and the blocks built on it; as Keras' own layer
@@ -92,6 +103,7 @@ def test_layers_run_no_fused_kernel_after_disable(flash_disabled, fused_calls):
     keras.config.enable_flash_attention()
     created_before(x, use_causal_mask=True)
     fused_before = len(fused_calls)
+    assert fused_before > 0  # fused at the default
     keras.config.disable_flash_attention()
     created_before(x, use_causal_mask=True)
     keras_attn.MultiHeadAttention(num_heads=2)(x)
@@ -120,3 +132,23 @@ def test_flash_attention_false_is_explicit_whatever_the_switch_says(fused_calls)
     assert fused_calls == []
     chosen = plan("torch", "cpu", flash_attention=False)
     assert chosen == AttentionPlan("materialized", not_fused=("flash_attention=False",))
+
+
+@fuses
+def test_generate_loops_compiled_before_the_switch_are_not_reused(
+    flash_disabled, fused_calls
+):
+    """`generate` keeps its compiled loops per model; one traced under the
+    switch (explicit kernels) is not reused once the switch is back to its
+    default, nor the other way round."""
+    ids = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(11, 16)(ids)
+    x = keras_attn.TransformerDecoder(32, num_heads=2)(x)
+    model = keras.Model(ids, keras.layers.Dense(11)(x))
+    prompt = np.array([[1, 2, 3]])
+    expected = keras_attn.generation.generate(model, prompt, max_new_tokens=3)
+    assert fused_calls == []
+    keras.config.enable_flash_attention()
+    tokens = keras_attn.generation.generate(model, prompt, max_new_tokens=3)
+    assert fused_calls, "the loop traced without the switch was reused"
+    np.testing.assert_array_equal(tokens, expected)

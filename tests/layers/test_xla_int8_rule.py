@@ -38,7 +38,7 @@ def odd_models():
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's traced dots")
 @pytest.mark.parametrize("name", ["attention", "encoder", "decoder"])
-def test_int8_contractions_are_multiples_of_4(name):
+def test_int8_contractions_are_multiples_of_4(xla_gpu, name):
     model = odd_models()[name]
     inputs = [
         RNG.normal(size=(2, *x.shape[1:])).astype("float32") for x in model.inputs
@@ -75,10 +75,10 @@ LAYERS = {
 
 
 @pytest.mark.parametrize("name", LAYERS)
-def test_padding_changes_no_number(name):
+def test_padding_changes_no_number(xla_gpu, name):
     """Padded and Keras' unpadded int8 contractions agree exactly, forward
-    and in the inputs' gradient, with LoRA on, on every backend (the padding
-    runs on JAX and TensorFlow; torch keeps Keras' call)."""
+    and in the inputs' gradient, with LoRA on, on every backend (padded, as
+    on a GPU, on JAX and TensorFlow; torch keeps Keras' call)."""
     make, classes, shape = LAYERS[name]
     inputs = RNG.normal(size=shape).astype("float32")
     ours, keras_own = (make(cls) for cls in classes)
@@ -99,3 +99,14 @@ def test_padding_changes_no_number(name):
         assert int8_contractions(keras_own, inputs)  # the fault this avoids
         sizes = int8_contractions(ours, inputs)
         assert all(size % 4 == 0 for dot in sizes for size in dot), sizes
+
+
+def test_nothing_is_padded_on_a_cpu():
+    """Off an XLA GPU the int8 call is Keras' own: no copy of the kernel."""
+    layer = _int8.Dense(6)
+    layer.build((2, 9))
+    layer.quantize("int8")
+    inputs = RNG.normal(size=(2, 9)).astype("float32")
+    assert _int8.padding("...a,ab->...b", (9, 6), inputs) == {}
+    if BACKEND == "jax":
+        assert int8_contractions(layer, inputs) == [(9,)]

@@ -115,6 +115,50 @@ def test_dot_product_attention_checks_its_inputs(name, flash_attention):
         )
 
 
+OPTION_ROWS = {
+    "is_causal as a string": ({"is_causal": "no"}, r"`is_causal` must be a bool"),
+    "return_scores as a string": (
+        {"return_scores": "False"}, r"`return_scores` must be a bool",
+    ),
+    "heads_major as an int": ({"heads_major": 1}, r"`heads_major` must be a bool"),
+    "flash_attention as a string": (
+        {"flash_attention": "yes"}, r"`flash_attention` must be a bool or None",
+    ),
+    "a dropout rate instead of a callable": (
+        {"dropout": 0.1}, r"`dropout` must be a callable",
+    ),
+    "scale as a string": ({"scale": "a"}, r"`scale` must be a positive float"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(OPTION_ROWS))
+def test_dot_product_attention_checks_its_options(name):
+    """Each option's type, at the door: a string `is_causal` or
+    `return_scores` ran silently, a float `dropout` failed deep inside."""
+    extra, match = OPTION_ROWS[name]
+    q = random_floats(B, T, H, D, seed=1)
+    kv = random_floats(B, S, K, D, seed=2)
+    with pytest.raises(TypeError, match=match):
+        attn_ops.dot_product_attention(q, kv, kv, **extra)
+    with pytest.raises(ValueError, match=r"`scale` must be positive"):
+        attn_ops.dot_product_attention(q, kv, kv, scale=-1.0)
+
+
+@pytest.mark.parametrize(
+    "dtypes", [("int32",) * 3, ("float32", "float16", "float16")], ids=str
+)
+def test_dot_product_attention_takes_float_inputs_of_one_dtype(dtypes):
+    """An int query ran silently on JAX; mixed float dtypes gave torch's own
+    error."""
+    shapes = ((B, T, H, D), (B, S, K, D), (B, S, K, D))
+    q, k, v = (
+        keras.ops.cast(random_floats(*shape, seed=i), dtype)
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True))
+    )
+    with pytest.raises(TypeError, match=r"must be float tensors of one dtype"):
+        attn_ops.dot_product_attention(q, k, v)
+
+
 def test_dot_product_attention_takes_what_broadcasts():
     """The checks leave alone what the op takes: masks and biases with axes of
     size 1, rank-3 masks, a rank-3 bias `(H, T, S)`, heads-major caches.

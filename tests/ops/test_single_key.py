@@ -12,23 +12,6 @@ import keras_attn
 RNG = np.random.default_rng(0)
 
 
-def test_one_token_attention_warns_nothing_and_keeps_softmax_numbers():
-    layer = keras_attn.MultiHeadAttention(num_heads=2, key_dim=4)
-    x = RNG.normal(size=(3, 1, 8)).astype("float32")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*softmax over axis")
-        output, scores = layer(x, use_causal_mask=True, return_attention_scores=True)
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(scores), 1.0)
-    values = layer.value_dense(x)  # one key: the output is its value, projected
-    expected = layer.output_dense(values)
-    np.testing.assert_allclose(
-        keras.ops.convert_to_numpy(output),
-        keras.ops.convert_to_numpy(expected),
-        rtol=1e-5,
-        atol=1e-6,
-    )
-
-
 def test_one_key_keeps_nan_and_masked_rows_as_softmax_does():
     query = RNG.normal(size=(1, 2, 1, 4)).astype("float32")
     key = RNG.normal(size=(1, 1, 1, 4)).astype("float32")
