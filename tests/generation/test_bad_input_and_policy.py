@@ -40,18 +40,20 @@ def global_policy(name):
 
 # --- 1. Mixed policies: generation's own numbers stay float32 ------------------
 
-METHODS = {
-    "sample": {"method": "sample", "seed": 3, "temperature": 0.7, "top_p": 0.9},
+METHODS = {  # each of the issue's three: sampling and the penalty in one loop
+    "sample with repetition_penalty": {
+        "method": "sample",
+        "seed": 3,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "repetition_penalty": 1.5,
+    },
     "beam": {"method": "beam", "num_beams": 3},
-    "repetition_penalty": {"repetition_penalty": 1.5},
 }
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 @pytest.mark.parametrize("method", METHODS)
-def test_a_mixed_global_policy_decodes_as_float32(
-    gpt, translator, monkeypatch, method, policy
-):
+def test_a_mixed_global_policy_decodes_as_float32(gpt, translator, monkeypatch, method):
     """Models built in float32 give the same logits under a mixed global
     policy, so `generate` must give the same tokens and scores: the loop's
     numbers are float32 whatever the policy (issue 28, item 1)."""
@@ -63,20 +65,22 @@ def test_a_mixed_global_policy_decodes_as_float32(
 
     original = processors.temperature
     monkeypatch.setattr(processors, "temperature", spy)
+    options = dict(METHODS[method], return_scores=True)
     for model, inputs in [(gpt, PROMPTS), (translator, [SOURCES, STARTS])]:
-        options = dict(METHODS[method], return_scores=True)
         tokens, scores = fresh_generate(model, inputs, LENGTH, **options)
-        temperatures.clear()
-        with global_policy(policy):
-            mixed_tokens, mixed_scores = fresh_generate(
-                model, inputs, LENGTH, **options
-            )
-        np.testing.assert_array_equal(mixed_tokens, tokens)
-        # A temperature of 0.7 in bfloat16 is 0.69921875: scores move by 1e-3.
-        np.testing.assert_allclose(mixed_scores, scores, rtol=1e-6, atol=1e-6)
-        assert mixed_scores.dtype == np.float32
-        for logits_dtype, temperature_dtype in temperatures:
-            assert "float32" in logits_dtype and "float32" in temperature_dtype
+        for policy in ("mixed_bfloat16", "mixed_float16"):
+            temperatures.clear()
+            with global_policy(policy):
+                mixed_tokens, mixed_scores = fresh_generate(
+                    model, inputs, LENGTH, **options
+                )
+            np.testing.assert_array_equal(mixed_tokens, tokens)
+            # A temperature of 0.7 in bfloat16 is 0.69921875: scores move by 1e-3.
+            np.testing.assert_allclose(mixed_scores, scores, rtol=1e-6, atol=1e-6)
+            assert mixed_scores.dtype == np.float32
+            assert bool(temperatures) == ("temperature" in options)
+            for logits_dtype, temperature_dtype in temperatures:
+                assert "float32" in logits_dtype and "float32" in temperature_dtype
 
 
 def test_the_temperature_applied_under_a_mixed_policy_is_float32_0_7(gpt, monkeypatch):
