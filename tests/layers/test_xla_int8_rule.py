@@ -39,24 +39,21 @@ def odd_models():
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's traced dots")
 @pytest.mark.parametrize("name", ["attention", "encoder", "decoder"])
 def test_int8_contractions_are_multiples_of_4(xla_gpu, name):
+    """Traced only (the numbers: `test_padding_changes_no_number`, and the
+    layer contracts' int8 tolerance)."""
     model = odd_models()[name]
     inputs = [
         RNG.normal(size=(2, *x.shape[1:])).astype("float32") for x in model.inputs
     ]
-
-    def call(*inputs):
-        return model(list(inputs) if len(inputs) > 1 else inputs[0])
-
-    float_outputs = keras.ops.convert_to_numpy(call(*inputs))
     model.quantize("int8")
 
-    sizes = int8_contractions(call, *inputs)
+    sizes = int8_contractions(
+        lambda *inputs: model(list(inputs) if len(inputs) > 1 else inputs[0]),
+        *inputs,
+    )
 
     assert sizes, "no int8 dot was traced: the check saw nothing"
     assert all(size % 4 == 0 for dot in sizes for size in dot), sizes
-    outputs = keras.ops.convert_to_numpy(call(*inputs))
-    error = np.linalg.norm(outputs - float_outputs) / np.linalg.norm(float_outputs)
-    assert error < 0.05
 
 
 LAYERS = {
