@@ -33,10 +33,10 @@ XLA_BACKENDS = ("jax", "tensorflow")
 def padding(equation, kernel_shape, inputs):
     """`{letter: pad}` for each contracted axis of `equation` (inputs, kernel
     -> output) whose size is not a multiple of 4; empty but on an XLA GPU."""
-    inputs_spec, rest = equation.split(",")
-    kernel_spec, output_spec = rest.split("->")
     if keras.config.backend() not in XLA_BACKENDS or platform_of(inputs) != "gpu":
         return {}
+    inputs_spec, rest = equation.split(",")
+    kernel_spec, output_spec = rest.split("->")
     pads = {
         letter: -kernel_shape[axis] % MULTIPLE
         for axis, letter in enumerate(kernel_spec)
@@ -67,8 +67,11 @@ class PaddedInt8:
 
     def _int8_call(self, inputs, training=None):
         pads = padding(self.contraction, self._kernel.shape, inputs)
-        keras_has = all(hasattr(self, name) for name in self.keras_internals)
-        if not (pads and keras_has and self.inputs_quantizer):
+        if not (
+            pads
+            and all(hasattr(self, name) for name in self.keras_internals)
+            and self.inputs_quantizer
+        ):
             return super()._int8_call(inputs, training)
         x = self.padded_int8_contraction(pads)(
             inputs,
