@@ -19,11 +19,15 @@ path, measured by `benchmarks/long_sequence.py`).
    input and the weights): one causal self-attention layer, batch 1, 16 heads
    of 64, bfloat16 compute, T = 8192, 16384, 32768 (`--lengths`), for
    `keras_attn.MultiHeadAttention`, `keras.layers.MultiHeadAttention` and the
-   backend's own (`torch.nn.functional.scaled_dot_product_attention` under
-   `torch.autocast`; `jax.nn.dot_product_attention` under `jax.jit`): median
-   ms and peak device memory, a point that runs out of memory says so. On JAX
-   on a GPU each point runs in a fresh process, as its peak
-   (`peak_bytes_in_use`) cannot be reset.
+   backend's own: `torch.nn.functional.scaled_dot_product_attention` under
+   `torch.autocast`; on JAX, under `jax.jit`, `jax.nn.dot_product_attention`
+   with `implementation="cudnn"` (the fused kernel, the reference), the same
+   without it (XLA, which materializes the logits) and flax's
+   `MultiHeadDotProductAttention`. Median ms and peak device memory; a point
+   that runs out of memory says so, and one that cannot run here (the cuDNN
+   call off an NVIDIA GPU, flax not installed) says why. On JAX on a GPU each
+   point runs in a fresh process, as its peak (`peak_bytes_in_use`) cannot be
+   reset.
 2. Encoder training step (`train_on_batch`, Adam, MSE, `mixed_bfloat16`, the
    batch already on the device): width 1024, 16 heads, FFN 4096, batch 8,
    T = 512, 2048 (`--train-lengths`), for `keras_attn.TransformerEncoder`,
@@ -81,7 +85,18 @@ ATTENTION_LAYERS = {
     "keras_attn": keras_attn.MultiHeadAttention,
     "keras.layers.MultiHeadAttention": keras.layers.MultiHeadAttention,
 }
-CONTENDERS = (*ATTENTION_LAYERS, "native")
+# The backend's own attention, by contender: its row's name. "native" is the
+# reference of each `vs native` ratio; on JAX the cuDNN call, with XLA's default
+# as the reference only where cuDNN cannot run (the table says where).
+NATIVE_ATTENTION = {
+    "torch": {"native": "torch scaled_dot_product_attention (native)"},
+    "jax": {
+        "native": "jax.nn.dot_product_attention, cuDNN (native)",
+        "flax": "flax.linen.MultiHeadDotProductAttention",
+        "xla": "jax.nn.dot_product_attention, XLA default (native)",
+    },
+}
+CUDNN = 'implementation="cudnn"'
 PEERS = {"torch": ("keras-hub",), "jax": ("keras-hub", "flax", "optax")}
 TENSORFLOW = (
     "TensorFlow's GPU build is not available on the GPU machine, so nothing is "
@@ -235,6 +250,11 @@ def free_memory():
             torch.cuda.empty_cache()
 
 
+class CannotRun(Exception):
+    """A contender that cannot run here (a package missing, a kernel's limits):
+    its row says why instead of timing something else."""
+
+
 def or_out_of_memory(function):
     """`function()`, or `{"failed": "out of memory"}` where it ran out. Call
     `free_memory` after it: until then the error's traceback holds tensors."""
@@ -343,9 +363,11 @@ def torch_native_attention(x, heads, head_dim):
     return torch_step(forward, list(projections.parameters()), x)
 
 
-def jax_native_attention(x, heads, head_dim):
-    """Four bfloat16 projections and `jax.nn.dot_product_attention` (JAX picks
-    the implementation) under `jax.jit(jax.value_and_grad(...))`."""
+def jax_native_attention(x, heads, head_dim, implementation=None):
+    """Four bfloat16 projections and `jax.nn.dot_product_attention` under
+    `jax.jit(jax.value_and_grad(...))`: with `implementation="cudnn"`, cuDNN's
+    fused kernel (`CannotRun` where it cannot run here, with JAX's reason);
+    with `None`, JAX's default (XLA, which materializes the logits)."""
     import jax
     import jax.numpy as jnp
 
@@ -364,19 +386,71 @@ def jax_native_attention(x, heads, head_dim):
             (x @ kernel + bias).reshape(batch, length, heads, head_dim)
             for kernel, bias in params[:3]
         )  # (B, T, H, Dh)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        attended = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=implementation
+        )
         kernel, bias = params[3]
         output = attended.reshape(batch, length, width) @ kernel + bias
+        return jnp.sum(output.astype(jnp.float32))
+
+    if implementation == "cudnn":
+        check_cudnn(loss, params, x)
+    return jax_step(loss, params, x)
+
+
+def check_cudnn(loss, params, x):
+    """Raises `CannotRun` where `loss`'s `implementation="cudnn"` call cannot
+    run here. JAX checks cuDNN's limits while tracing (cuDNN present; bfloat16,
+    float16 or fp8; the head dim a multiple of 8, at most 128, 256 from Hopper
+    on; layouts and lengths; see `jax/_src/cudnn/fused_attention_stablehlo.py`),
+    which `jax.eval_shape` of the gradient does without compiling; a CPU whose
+    jaxlib finds cuDNN passes them, so the device is asked too."""
+    import jax
+
+    try:
+        jax.eval_shape(jax.value_and_grad(loss, argnums=(0, 1)), params, x)
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise CannotRun(f"`{CUDNN}`: {type(error).__name__}: {reason}") from error
+    if not on_gpu():
+        raise CannotRun(f"`{CUDNN}` needs an NVIDIA GPU; here: {device_name()}")
+
+
+def jax_flax_attention(x, heads, head_dim):
+    """`flax.linen.MultiHeadDotProductAttention` in bfloat16 (float32 weights)
+    with a causal mask, flax's default attention function (it materializes the
+    logits), under `jax.jit(jax.value_and_grad(...))`."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        import flax.linen as nn
+    except ImportError as error:
+        raise CannotRun(f"`{error.name or error}` cannot be imported here") from error
+    layer = nn.MultiHeadDotProductAttention(heads, dtype=jnp.bfloat16)
+    params = jax.jit(layer.init)(jax.random.key(0), x[:, :8])
+
+    def loss(params, x):
+        causal = nn.make_causal_mask(x[..., 0])  # (B, 1, T, T)
+        output = layer.apply(params, x, mask=causal)
         return jnp.sum(output.astype(jnp.float32))
 
     return jax_step(loss, params, x)
 
 
 def attention_step(contender, x, heads, head_dim):
-    """The forward+backward of `contender` (a name in `CONTENDERS`) on `x`."""
-    if contender == "native":
-        native = {"torch": torch_native_attention, "jax": jax_native_attention}
-        return native[keras.config.backend()](x, heads, head_dim)
+    """The forward+backward of `contender` (one of `attention_contenders()`)
+    on `x`; `CannotRun` where it cannot run here."""
+    native = {
+        "torch": {"native": torch_native_attention},
+        "jax": {
+            "native": functools.partial(jax_native_attention, implementation="cudnn"),
+            "flax": jax_flax_attention,
+            "xla": jax_native_attention,
+        },
+    }[keras.config.backend()]
+    if contender in native:
+        return native[contender](x, heads, head_dim)
     layer = ATTENTION_LAYERS[contender](heads, head_dim, dtype=POLICY)
     layer(x[:, :8], x[:, :8])  # Builds the weights.
     return keras_attention_step(layer, x)
@@ -384,7 +458,8 @@ def attention_step(contender, x, heads, head_dim):
 
 def attention_point(contender, length, heads, head_dim, calls):
     """One contender at one length, in this process: `{"median", "first"}`
-    seconds and `"peak"` bytes (`peak_bytes`), or `{"failed": ...}`."""
+    seconds and `"peak"` bytes (`peak_bytes`), `{"failed": ...}` where it ran
+    out of memory, or `{"not run": why}` where it cannot run here."""
     x = on_device((1, length, heads * head_dim), np.random.default_rng(0))
 
     def point():  # The weights are built inside, so that the peak has them.
@@ -395,7 +470,10 @@ def attention_point(contender, length, heads, head_dim, calls):
         )
         return {"median": timing.median, "first": timing.first, "peak": peak}
 
-    result = or_out_of_memory(point)
+    try:
+        result = or_out_of_memory(point)
+    except CannotRun as error:
+        result = {"not run": str(error)}
     free_memory()
     return result
 
@@ -417,13 +495,18 @@ def fresh_processes():
     return keras.config.backend() == "jax" and on_gpu()
 
 
+def attention_contenders():
+    """The attention part's contenders on this backend, in table order."""
+    return (*ATTENTION_LAYERS, *NATIVE_ATTENTION[keras.config.backend()])
+
+
 def attention(sizes, calls):
     """`{(contender, length): point}`, each point here or in a fresh process
     (`fresh_processes`)."""
     point = fresh_attention_point if fresh_processes() else attention_point
     points = {}
     for length in sizes.lengths:
-        for contender in CONTENDERS:
+        for contender in attention_contenders():
             args = (contender, length, sizes.heads, sizes.head_dim, calls)
             points[(contender, length)] = point(*args)
             print(
@@ -433,12 +516,12 @@ def attention(sizes, calls):
     return points
 
 
-def native_name():
-    """The native attention row's name on this backend."""
-    return {
-        "torch": "torch scaled_dot_product_attention (native)",
-        "jax": "jax.nn.dot_product_attention (native)",
-    }[keras.config.backend()]
+def reference(points, length):
+    """The contender every `vs native` ratio at `length` is over: "native",
+    or on JAX "xla" where the cuDNN call cannot run (its row says why)."""
+    if "not run" in points[("native", length)] and ("xla", length) in points:
+        return "xla"
+    return "native"
 
 
 def peak_caption():
@@ -465,8 +548,21 @@ def attention_caption(sizes, calls, device):
         "four `torch.nn.Linear` and `F.scaled_dot_product_attention(is_causal=True)` "
         "(torch picks the kernel) under `torch.autocast(bfloat16)`, `.backward()`"
         if torch
-        else "four projections and `jax.nn.dot_product_attention(is_causal=True)` "
-        "(JAX picks the implementation) under `jax.jit(jax.value_and_grad(...))`"
+        else "four bfloat16 projections and `jax.nn.dot_product_attention("
+        f"is_causal=True, {CUDNN})`, cuDNN's fused kernel (bfloat16 or float16 "
+        "only, head dim a multiple of 8 up to 128, 256 from Hopper on; a row "
+        "where it cannot run says why), under `jax.jit(jax.value_and_grad(...))`;"
+        " XLA default: the same call without `implementation`, which runs XLA's "
+        "implementation and materializes the (B, H, T, T) logits; flax: "
+        "`flax.linen.MultiHeadDotProductAttention(dtype=bfloat16)` with "
+        "`nn.make_causal_mask`, flax's default attention function (it "
+        "materializes too), jitted the same way"
+    )
+    versus = (
+        "the native row's"
+        if torch
+        else "the cuDNN row's, or the XLA default row's where the cuDNN call "
+        "cannot run (the line below the table says where)"
     )
     where = (
         "each in a fresh process"
@@ -483,7 +579,7 @@ def attention_caption(sizes, calls, device):
         f" both `use_causal_mask=True`: {keras_step}; native: {native}. Peak: "
         f"{peak_caption()} over the point, its first call included (weights, "
         "activations and gradients). "
-        "`vs native`: the row's over the native row's at the same T."
+        f"`vs native`: the row's over {versus} at the same T."
     )
 
 
@@ -499,20 +595,39 @@ def attention_table(points, sizes, calls, device):
         "| peak vs native |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
+    names = {**{name: name for name in ATTENTION_LAYERS}, **native_names()}
     for length in sizes.lengths:
-        native = points[("native", length)]
-        for contender in CONTENDERS:
-            name = native_name() if contender == "native" else contender
+        native = points[(reference(points, length), length)]
+        for contender in attention_contenders():
             point = points[(contender, length)]
-            lines.append(attention_row(length, name, point, native))
-    ours = [
+            lines.append(attention_row(length, names[contender], point, native))
+    return lines + ["", ratio_line(points, sizes.lengths)]
+
+
+def native_names():
+    """The backend's own attention rows: contender -> row name."""
+    return NATIVE_ATTENTION[keras.config.backend()]
+
+
+def ratio_line(points, lengths):
+    """'keras_attn / native, time: T=... 1.23x.', saying where the reference
+    is not the native row."""
+    ratios = [
         f"T={n} "
         + times(
-            points[("keras_attn", n)].get("median"), points[("native", n)].get("median")
+            points[("keras_attn", n)].get("median"),
+            points[(reference(points, n), n)].get("median"),
         )
-        for n in sizes.lengths
+        for n in lengths
     ]
-    return lines + ["", "keras_attn / native, time: " + ", ".join(ours) + "."]
+    line = "keras_attn / native, time: " + ", ".join(ratios) + "."
+    instead = [f"T={n}" for n in lengths if reference(points, n) != "native"]
+    if instead:
+        line += (
+            f" At {', '.join(instead)} over the XLA default row: the cuDNN call "
+            "cannot run here (its row says why)."
+        )
+    return line
 
 
 def times(value, reference):
@@ -522,8 +637,9 @@ def times(value, reference):
 
 def attention_row(length, name, point, native):
     """One markdown row of the attention table."""
-    if "failed" in point:
-        return f"| {length} | {name} | {point['failed']} | | | | |"
+    if "failed" in point or "not run" in point:
+        why = point.get("failed") or "not run: " + point["not run"]
+        return f"| {length} | {name} | {why.replace('|', '/')} | | | | |"
     peak = "n/a" if point["peak"] is None else f"{point['peak'] / MiB:,.1f}"
     return (
         f"| {length} | {name} | {point['median'] * 1e3:.2f} | {point['first']:.2f} "

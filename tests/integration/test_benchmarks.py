@@ -145,3 +145,29 @@ def test_torch_overhead_smoke_run_writes_every_row_against_native(tmp_path):
         assert re.search(rf"\| {cells} \|\n", text), (step, name)
     for step, name in native:
         assert re.search(rf"\| {step} \| {re.escape(name)} \| [^|]+ \| 1\.00x", text)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="measures Keras on PyTorch")
+def test_keras_costs_smoke_run_writes_each_piece_against_native(tmp_path):
+    """`benchmarks/keras_costs.py --quick`, in this process (a fresh one
+    would spend 5 s importing torch and Keras): a row per piece and contender,
+    with its time, aten op count and ratios, and the summary line."""
+    from benchmarks import keras_costs
+
+    text = keras_costs.main(["--quick", "--results", str(tmp_path)])
+    assert (tmp_path / "keras_costs.md").read_text() == text
+    assert "Smoke run (`--quick`)" in text and "Load average" in text
+    ratio = r"(?:\d+\.\d\dx|-)"
+    pieces = {
+        "optimizer apply": [r"keras\.optimizers\.Adam\.apply, \d+ variables"],
+        "layer call": [re.escape("keras.layers.Layer.__call__ (empty layer)")],
+        "train step": [r"Model\.train_on_batch", "the same Keras step by hand"],
+    }
+    for piece, names in pieces.items():
+        for name in names:  # µs, vs native, ops, vs native, top-level ops, outside
+            cells = r" \| ".join(
+                [piece, name, r"\d+\.\d", ratio, r"\d+", ratio, r"\d+", r"\d+%"]
+            )
+            assert re.search(rf"\| {cells} \|\n", text), (piece, name)
+        assert re.search(rf"\| {piece} \| [^|]*\(native\) \| [^|]+ \| 1\.00x", text)
+    assert re.search(r"Keras adds, per call: Adam's apply -?\d+ µs", text)
