@@ -9,7 +9,11 @@ the layers' weights as parameters (the same tensors, so later weight updates
 are seen). Inductor then compiles it: to C++ on a CPU, to Triton kernels
 replayed as a CUDA graph on a GPU. The step takes and returns a flat tuple of
 tensors, so a call checks no nested structure.
-`benchmarks/generation.py` measures it.
+
+As in gpt-fast and Hugging Face's static cache, the key/value caches are
+written in place (`write_in_place`): a step copies one position per layer
+and returns only what changed (the tokens, logits, index, ...), never a
+cache. `benchmarks/generation.py` measures it.
 """
 
 import torch
@@ -18,13 +22,27 @@ from torch.utils import _pytree as pytree
 no_grad = torch.no_grad
 
 
+def write_in_place(cache, update, index):
+    """`update` `(B, 2, K, n, D)` copied into `cache` at positions `index,
+    ..., index + n - 1` of axis 3, in place; returns `cache`. The positions
+    stay a tensor: nothing is read back to the host."""
+    index = torch.as_tensor(index, device=cache.device).to(torch.int64)
+    positions = index + torch.arange(update.shape[3], device=cache.device)
+    return cache.index_copy_(3, positions, update)
+
+
 class _FlatStep(torch.nn.Module):
     """`function(state, numbers) -> state` on flat tuples of tensors; the
-    state keeps its structure."""
+    state keeps its structure.
 
-    def __init__(self, function, layers, state, numbers):
+    It returns only the leaves of the state that changed: a leaf the step
+    hands back as the very tensor it was given (a cache written in place, the
+    padding, cross-attention caches) is kept (`_Kept`) and not returned, so
+    it is neither copied out of the graph nor replaced."""
+
+    def __init__(self, function, layers, state, numbers, report):
         super().__init__()
-        self.function = function
+        self.function, self.report = function, report
         self.spec = pytree.tree_structure((state, numbers))
         self.state_spec = pytree.tree_structure(state)
         self.decoding_layers = torch.nn.ModuleList(layers)  # their parameters
@@ -34,7 +52,31 @@ class _FlatStep(torch.nn.Module):
         leaves, spec = pytree.tree_flatten(state)
         if spec != self.state_spec:
             raise ValueError(f"The step changed the state's structure to {spec}.")
-        return tuple(leaves)
+        given = flat[: len(leaves)]  # the state's leaves, then the numbers'
+        kept = tuple(out is g for out, g in zip(leaves, given, strict=True))
+        self.report(kept)  # a callback: export restores the module's attributes
+        return tuple(leaf for leaf, k in zip(leaves, kept, strict=True) if not k)
+
+
+class _Kept:
+    """Which state leaves the traced step keeps, and the state after a step."""
+
+    def __init__(self, state):
+        self.state_spec = pytree.tree_structure(state)
+        self.kept = None
+
+    def found(self, kept):
+        self.kept = kept
+
+    def state(self, given, returned):
+        """The new state: the kept leaves of `given` (the step's inputs), the
+        others from `returned` (in order)."""
+        returned, given = iter(returned), given[: len(self.kept)]
+        leaves = [
+            g if kept else next(returned)
+            for g, kept in zip(given, self.kept, strict=True)
+        ]
+        return pytree.tree_unflatten(leaves, self.state_spec)
 
 
 def inductor_options(device):
@@ -60,30 +102,60 @@ def compile_step(function, layers, state, numbers):
     """`function(state, numbers) -> state`, exported for these shapes and
     compiled; `layers` hold the weights it reads.
 
-    A CUDA graph's replay writes its outputs into the memory of the previous
-    replay's outputs (torch: "accessing tensor output of CUDAGraphs that has
-    been overwritten by a subsequent run"; `../shared/gpu/FINDINGS.md`,
-    section 1), and each step's outputs are the next step's inputs: they are
-    copied out of the graph's memory after each replay.
+    Two rules of CUDA graphs (torch's CUDA graph trees), held on a CPU by
+    `tests/helpers/doubles.py`:
+
+    - A replay writes its outputs into the memory of the previous replay's
+      outputs (torch: "accessing tensor output of CUDAGraphs that has been
+      overwritten by a subsequent run"; `../shared/gpu/FINDINGS.md`, section
+      1), and each step's outputs are the next step's inputs: they are
+      copied out after each replay (the small leaves only: caches are kept).
+    - A graph replays only if every input it writes in place is static, at
+      one address for good (torch's `check_for_mutation`: otherwise
+      "skipping cudagraphs due to mutated inputs"); other inputs are copied
+      into the graph's own memory at every replay. So the kept leaves are
+      marked static and held by `_StaticLeaves` at the first call's
+      addresses.
     """
-    module = _FlatStep(function, layers, state, numbers)
+    kept = _Kept(state)
+    module = _FlatStep(function, layers, state, numbers, kept.found)
+    leaves = pytree.tree_leaves((state, numbers))
     with torch.no_grad():
-        exported = torch.export.export(
-            module, tuple(pytree.tree_leaves((state, numbers))), strict=False
-        )
-    device = pytree.tree_leaves(state)[0].device
+        exported = torch.export.export(module, tuple(leaves), strict=False)
+    device = leaves[0].device
+    graphs = replays_cuda_graphs(device)
+    static = _StaticLeaves(leaves, kept.kept) if graphs else None
     compiled = torch.compile(
         exported.module(), dynamic=False, options=inductor_options(device)
     )
-    graphs = replays_cuda_graphs(device)
 
     def step(state, numbers):
+        leaves = pytree.tree_leaves((state, numbers))
         if graphs:  # the last step's outputs are this step's inputs, no more
+            leaves = static.place(leaves)
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
-            leaves = compiled(*pytree.tree_leaves((state, numbers)))
+            returned = compiled(*leaves)
             if graphs:
-                leaves = tuple(leaf.clone() for leaf in leaves)
-        return pytree.tree_unflatten(leaves, module.state_spec)
+                returned = tuple(leaf.clone() for leaf in returned)
+        return kept.state(leaves, returned)
 
     return step
+
+
+class _StaticLeaves:
+    """The kept state leaves at fixed addresses: the first call's tensors,
+    marked static; a later call's leaves are copied into them once (at its
+    first step: after that, the step hands the same tensors back)."""
+
+    def __init__(self, leaves, kept):
+        self.tensors = {i: leaves[i] for i, k in enumerate(kept) if k}
+        for tensor in self.tensors.values():
+            torch._dynamo.mark_static_address(tensor)
+
+    def place(self, leaves):
+        leaves = list(leaves)
+        for i, tensor in self.tensors.items():
+            if leaves[i] is not tensor:
+                leaves[i] = tensor.copy_(leaves[i])
+        return leaves

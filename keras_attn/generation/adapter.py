@@ -11,6 +11,7 @@ from keras import ops
 from keras_attn._checks import checked_upstream
 from keras_attn.generation.graph import is_decoder
 from keras_attn.layers import SinusoidalEmbedding
+from keras_attn.layers._kv_cache import caches_written_by
 
 
 class ModelAdapter:
@@ -24,6 +25,11 @@ class ModelAdapter:
     (`(B, L)`, True where a cache position is a real token), `pads` (`(B,)`,
     left padding per row), `cross` (cross-attention caches by decoder) and,
     with a padded source, `source_mask`.
+
+    On PyTorch a step writes its new keys and values into the caches in
+    place (`_torch.write_in_place`), as gpt-fast does: the caches are the
+    adapter's own, and a copy per step would move the whole cache. Rolling
+    caches are rolled into new ones.
     """
 
     def __init__(self, plan, length):
@@ -34,6 +40,11 @@ class ModelAdapter:
             bool(layer.sliding_window and layer.sliding_window < length)
             for layer in plan.decoders
         ]
+        self.write = None  # `keras.ops.slice_update`
+        if keras.config.backend() == "torch":
+            from keras_attn.generation import _torch
+
+            self.write = _torch.write_in_place
 
     def prefill(self, prompt, pads, sources, size):
         """Run the encoder and the prompt: `(last logits (B, V), state)` with
@@ -71,7 +82,7 @@ class ModelAdapter:
         mask = padding_mask(self.plan.embedding, token)
         if mask is not None:  # a padding id is padding to the model, too
             state = {**state, "keys": ops.slice_update(state["keys"], [0, index], mask)}
-        with checked_upstream():
+        with checked_upstream(), caches_written_by(self.write):
             logits, state = self._run(token, index, state)
         return logits[:, -1], state
 
@@ -210,13 +221,14 @@ def _rolling_call(layer, x, state, decoder, index, kwargs):
     window = cache.shape[3]
     padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
     slots = ops.take(padded, index + 1 + ops.arange(window), axis=1)  # (B, w)
-    x, cache, *_ = layer(
-        x,
-        decoder_padding_mask=slots,
-        self_attention_cache=cache,
-        self_attention_cache_update_index=window - 1,
-        **kwargs,
-    )
+    with caches_written_by(None):  # the roll copies it anyway
+        x, cache, *_ = layer(
+            x,
+            decoder_padding_mask=slots,
+            self_attention_cache=cache,
+            self_attention_cache_update_index=window - 1,
+            **kwargs,
+        )
     return x, ops.roll(cache, -1, axis=3)
 
 

@@ -139,15 +139,17 @@ def generate(
 
         jit_compile: `"auto"`, `True` or `False`, keyword only. Whether the
             loop is compiled: on JAX and TensorFlow, a `while_loop` per cache
-            segment (`"auto"`: yes); on PyTorch, the step, through
-            `torch.export` and TorchInductor (`"auto"`: no, as Keras' own
-            `jit_compile="auto"`). On PyTorch, compiling costs seconds per
-            segment (64, 128, ... positions) on the first call of each
-            setting and prompt width, and then decodes about 10x faster than
-            eager; it pays off for repeated calls. `False` runs the step
-            eagerly from a Python loop everywhere (for debugging). Compiled
-            loops are kept per model, settings, prompt width, length and (on
-            PyTorch) batch size.
+            segment (`"auto"`: yes); on PyTorch, the step, once per shape,
+            through `torch.export` and TorchInductor, with the key/value
+            caches written in place and (on a GPU) replayed as a CUDA graph
+            (`"auto"`: no, as Keras' own `jit_compile="auto"` on PyTorch). On
+            PyTorch the first call of each setting, prompt width, length and
+            batch size compiles for seconds (on a 2-core CPU, 240 new tokens
+            of a small model: 11-22 s against 1.6 s eagerly) and later calls
+            decode about 10x faster than eager: it pays off for repeated
+            calls. `False` runs the step eagerly from a Python loop
+            everywhere (for debugging). Compiled loops are kept per model,
+            settings, prompt width, length and (on PyTorch) batch size.
 
     Returns:
         numpy int32 array `(batch, length)`: each prompt followed by its

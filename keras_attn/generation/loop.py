@@ -1,5 +1,6 @@
 """The decoding loop: the adapter's model state, the logits processors and a
-strategy, wired into compiled `ops.while_loop`s, one per cache segment."""
+strategy, wired into compiled `ops.while_loop`s, one per cache segment (on
+PyTorch, a Python loop over one step, compiled once per shape)."""
 
 import keras
 import numpy as np
@@ -33,7 +34,7 @@ class Generator(keras.Model):
         self.decoding_layers = adapter.layers
         self.traces = 0
         torch = keras.config.backend() == "torch"
-        self.compiled_steps = {} if jit_compile and torch else None  # by segment
+        self.compiled_steps = {} if jit_compile and torch else None  # by shape
         self.compile(jit_compile=jit_compile and not torch)
         self.built = True
 
@@ -48,8 +49,8 @@ class Generator(keras.Model):
         tokens `(batch,)`, from a Python loop (so not inside `predict`).
         """
         segments = _segments(self.width + 1, self.length)
-        if isinstance(self.adapter, FunctionAdapter):
-            segments = [self.length]
+        if isinstance(self.adapter, FunctionAdapter) or self.compiled_steps is not None:
+            segments = [self.length]  # PyTorch: one compile per `generate` shape
         sources = [inputs[f"encoder_{i}"] for i in range(_count(inputs, "encoder_"))]
         pads = ops.cast(inputs["pads"], "int32")
         logits, model = self.adapter.prefill(
@@ -125,7 +126,8 @@ class Generator(keras.Model):
         return state
 
     def _compiled(self, size, state, numbers):
-        """PyTorch: the step exported and compiled for this segment's shapes."""
+        """PyTorch: the step exported and compiled for these shapes (one
+        segment, the whole length: one compile per `generate` shape)."""
         key = (size, tuple(state["tokens"].shape))  # exported for these shapes
         if key not in self.compiled_steps:
             from keras_attn.generation import _torch

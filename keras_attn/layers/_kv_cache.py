@@ -1,6 +1,9 @@
 """The key/value cache of `MultiHeadAttention`: written by each decoding
 step and read by the next, or computed once from an encoder output."""
 
+import contextlib
+import threading
+
 from keras import ops
 
 from keras_attn._checks import check_float, check_mask, check_rank, check_width
@@ -28,8 +31,7 @@ class KeyValueCache:
             if cache is None:
                 return k, v, None
             update = ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
-            start = [0, 0, 0, ops.cast(cache_update_index, "int32"), 0]
-            cache = ops.slice_update(cache, start, ops.cast(update, cache.dtype))
+            cache = _write(cache, ops.cast(update, cache.dtype), cache_update_index)
         dtype = self.compute_dtype
         return ops.cast(cache[:, 0], dtype), ops.cast(cache[:, 1], dtype), cache
 
@@ -109,6 +111,38 @@ class KeyValueCache:
         check_cacheable(self)
         shape = (batch_size, 2, self._kv_heads, max_length, self._head_dim)
         return ops.zeros(shape, dtype=dtype or self.compute_dtype)
+
+
+class _Writer(threading.local):
+    function = None  # `(cache, update, index) -> cache`, in this thread
+
+
+_WRITER = _Writer()
+
+
+@contextlib.contextmanager
+def caches_written_by(write):
+    """Caches written inside, in this thread, by `write(cache, update,
+    index)`, which returns the written cache (`None`: `ops.slice_update`,
+    which returns a new cache and leaves the given one as it was).
+
+    For `generate` on PyTorch, which owns its caches and writes them in
+    place (`keras_attn/generation/_torch.py`): a step then copies one
+    position, not the whole cache.
+    """
+    previous, _WRITER.function = _WRITER.function, write
+    try:
+        yield
+    finally:
+        _WRITER.function = previous
+
+
+def _write(cache, update, index):
+    """`update` `(B, 2, K, n, D)` written into `cache` at positions `index,
+    ..., index + n - 1`."""
+    if _WRITER.function is not None:
+        return _WRITER.function(cache, update, index)
+    return ops.slice_update(cache, [0, 0, 0, ops.cast(index, "int32"), 0], update)
 
 
 def check_cacheable(layer):

@@ -18,14 +18,39 @@ PROMPTS = np.array([[0, 3, 4, 5], [6, 7, 8, 9]])
 
 
 def test_cuda_graph_replays_decode_like_eager(cuda_graphs):
-    """Two cache segments (two graphs), greedy and sampling: the tokens of
-    eager decoding, though each replay overwrites the last one's outputs."""
+    """Greedy and sampling: the tokens of eager decoding, though each replay
+    overwrites the last one's outputs. One graph per `generate` shape (not
+    one per cache segment), replayed again by a second call; the caches are
+    written in place at static addresses (the double raises otherwise) and
+    never copied out."""
     model = decoder_only_model(VOCAB, WIDTH, num_key_value_heads=2)
-    for kwargs in ({}, {"method": "sample", "seed": 3, "top_k": 4}):
+    for kwargs in ({"method": "sample", "seed": 3, "top_k": 4}, {}):
         compiled = generate(model, PROMPTS, 70, jit_compile=True, **kwargs)
         eager = generate(model, PROMPTS, 70, jit_compile=False, **kwargs)
         np.testing.assert_array_equal(compiled, eager)
-    assert len(cuda_graphs) >= 2 and all(r.replays > 1 for r in cuda_graphs)
+    again = generate(model, PROMPTS[::-1], 70, jit_compile=True)  # new caches
+    np.testing.assert_array_equal(again, compiled[::-1])
+    assert len(cuda_graphs) == 2 and cuda_graphs[1].replays == 2 * (70 - 4)
+    assert all(len(x.shape) < 5 for r in cuda_graphs for x in r.outputs)
+    assert all(r.written for r in cuda_graphs)  # the caches, in place
+
+
+def test_an_eager_torch_step_writes_its_caches_in_place():
+    """No copy of a cache per step: the state's caches are the given ones."""
+    import torch
+
+    from keras_attn.generation.adapter import ModelAdapter
+    from keras_attn.generation.graph import GraphPlan
+
+    adapter = ModelAdapter(GraphPlan(decoder_only_model(VOCAB, WIDTH)), 8)
+    with torch.no_grad():
+        pads = torch.zeros(2, dtype=torch.int32)
+        _, state = adapter.prefill(torch.tensor(PROMPTS), pads, [], 8)
+        caches = list(state["caches"])
+        token, index = torch.tensor([1, 2]), torch.tensor(4, dtype=torch.int32)
+        _, state = adapter.step(token, index, state)
+    assert all(a is b for a, b in zip(state["caches"], caches, strict=True))
+    assert all(bool(c[:, :, :, 4].any()) for c in caches)
 
 
 def test_the_cuda_graph_double_overwrites_what_it_returned(cuda_graphs):
@@ -41,3 +66,17 @@ def test_the_cuda_graph_double_overwrites_what_it_returned(cuda_graphs):
     assert kept is replay.outputs[0] and torch.equal(kept, torch.full((2,), 2.0))
     (second,) = replay(kept)  # the last outputs as inputs: overwritten first
     assert torch.isnan(second).all()
+
+
+def test_the_cuda_graph_double_refuses_a_moved_written_input(cuda_graphs):
+    """The double can fail: an input written in place must stay put."""
+    import torch
+
+    from tests.helpers.doubles import CudaGraphReplays
+
+    replay = CudaGraphReplays(lambda cache: (cache.add_(1).sum(),))
+    cache = torch.zeros(2)
+    replay(cache)
+    replay(cache)
+    with pytest.raises(AssertionError, match="mutated inputs"):
+        replay(torch.zeros(2))

@@ -59,16 +59,25 @@ class CudaGraphReplays:
     that has been overwritten by a subsequent run"; torch's documentation of
     `mode="reduce-overhead"`: clone outputs that must outlive the next call).
     It crashed `generate(jit_compile=True)` on CUDA (FINDINGS.md, section 1).
+
+    A second rule: a graph replays only if the inputs it writes in place are
+    static, at the address they had when it was recorded (torch's
+    `check_for_mutation` in `torch/_inductor/cudagraph_utils.py`; otherwise
+    "skipping cudagraphs due to mutated inputs", and the step runs without
+    a graph). Here an input written in place at another address raises.
     """
 
     def __init__(self, function):
         self.function, self.outputs, self.replays = function, None, 0
+        self.written = None  # {input position: its address}, from the recording
 
     def __call__(self, *inputs):
         if self.outputs is not None:
             for output in self.outputs:
                 output.fill_(_garbage(output))
+        versions = [x._version for x in inputs]
         results = self.function(*inputs)
+        self._check_static(inputs, versions)
         if self.outputs is None:
             self.outputs = tuple(result.clone() for result in results)
         else:
@@ -76,6 +85,21 @@ class CudaGraphReplays:
                 output.copy_(result)
         self.replays += 1
         return self.outputs
+
+    def _check_static(self, inputs, versions):
+        written = {
+            i: x.data_ptr()
+            for i, (x, version) in enumerate(zip(inputs, versions, strict=True))
+            if x._version != version
+        }
+        if self.written is None:
+            self.written = written
+        moved = [i for i in written if self.written.get(i) != written[i]]
+        if moved:
+            raise AssertionError(
+                f"skipping cudagraphs due to mutated inputs: inputs {moved} were "
+                "written in place away from their recorded addresses."
+            )
 
 
 def _garbage(tensor):
