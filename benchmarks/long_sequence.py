@@ -2,6 +2,7 @@
 
     python benchmarks/long_sequence.py --backend all
     python benchmarks/long_sequence.py --backend torch --lengths 2048 8192
+    python benchmarks/long_sequence.py --backend tensorflow --jit-compile true
 
 One Transformer encoder block (batch 1, width 512, 8 heads of 64,
 feed-forward 2048, float32, post-norm) trains with `train_on_batch` (Adam,
@@ -22,7 +23,9 @@ process's high-water mark, `VmHWM`: see `benchmarks/memory.py` for why not
 `getrusage`'s `ru_maxrss`, which a child inherits from its parent) is its
 own; the `before` column is the same mark after the model was built, before
 the first step. Time is the median of `--calls` steps after one warm-up step
-(`benchmarks/timing.py`). A point
+(`benchmarks/timing.py`). `--jit-compile` goes to `model.compile`: `auto`,
+Keras' default, compiles with XLA on JAX, and on TensorFlow only where TF
+sees a GPU, so `true` measures TensorFlow's GPU default on a CPU. A point
 runs under an address-space limit (`--memory-limit-gib`, default 20 on this
 24 GiB machine): one that needs more fails with an out-of-memory error, and
 the table says so. Results go to `benchmarks/results/long_sequence_<backend>.md`
@@ -71,10 +74,14 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=900.0, help="Per point, s.")
     parser.add_argument("--results", default=RESULTS)
     parser.add_argument("--point", nargs=2, metavar=("VARIANT", "LENGTH"))
+    parser.add_argument(
+        "--jit-compile", choices=["auto", "true", "false"], default="auto"
+    )
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
     return parser.parse_args(argv)
 
 
-def build_model(variant, length):
+def build_model(variant, length, jit_compile="auto"):
     """The block of `variant` (see the module docstring), compiled."""
     import keras
 
@@ -93,17 +100,20 @@ def build_model(variant, length):
             FFN, HEADS, flash_attention=flash_attention
         )
     model = keras.Model(inputs, block(inputs))
-    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    jit_compile = {"true": True, "false": False}.get(jit_compile, jit_compile)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=jit_compile
+    )
     return model
 
 
-def run_point(variant, length, steps):
+def run_point(variant, length, steps, jit_compile="auto"):
     """One point, in this process: prints a JSON line of the measurements."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     x, y = (rng.normal(size=(1, length, WIDTH)).astype("float32") for _ in "xy")
-    model = build_model(variant, length)
+    model = build_model(variant, length, jit_compile)
     before = memory.high_water_bytes() / 2**20
     timing = timing_calls.time_call(
         lambda: np.asarray(model.train_on_batch(x, y)), steps
@@ -117,6 +127,7 @@ def measure(backend, variant, length, args):
     """Runs one point in a fresh process under the memory limit."""
     limit = int(args.memory_limit_gib * 2**30)
     command = [sys.executable, os.path.abspath(__file__), "--calls", str(args.calls)]
+    command += ["--jit-compile", args.jit_compile]
     env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": ROOT}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
@@ -139,8 +150,8 @@ def measure(backend, variant, length, args):
     raise RuntimeError(f"{backend} {variant} T={length} failed:\n{log[-3000:]}")
 
 
-def variants(backend):
-    return [v for v in VARIANTS if not (v == "fused" and backend == "tensorflow")]
+def variants(backend, chosen=VARIANTS):
+    return [v for v in chosen if not (v == "fused" and backend == "tensorflow")]
 
 
 def table(backend, lengths, results, args):
@@ -153,7 +164,8 @@ def table(backend, lengths, results, args):
         "same mark after building the model; step time = "
         f"{timing_calls.describe(args.calls)}. "
         f"`chunked` goes in chunks {chunking()}, and materializes below. "
-        f"Default on this backend: {default_variant(backend)}.",
+        f"Default on this backend: {default_variant(backend)}. "
+        f"`model.compile(jit_compile={args.jit_compile!r})`.",
         "",
         "| T | variant | peak MiB | before MiB | peak vs materialized "
         "| step s | step vs materialized |",
@@ -161,7 +173,7 @@ def table(backend, lengths, results, args):
     ]
     for length in lengths:
         reference = results[(length, "materialized")]
-        for variant in variants(backend):
+        for variant in variants(backend, args.variants):
             lines.append(row(length, variant, results[(length, variant)], reference))
     return "\n".join(lines) + "\n"
 
@@ -199,13 +211,14 @@ def row(length, variant, result, reference):
 def main(argv=None):
     args = parse_args(argv)
     if args.point:
-        return run_point(args.point[0], int(args.point[1]), args.calls)
+        variant, length = args.point
+        return run_point(variant, int(length), args.calls, args.jit_compile)
     os.makedirs(args.results, exist_ok=True)
     sections = []
     for backend in BACKENDS if args.backend == "all" else (args.backend,):
         results = {}
         for length in args.lengths:
-            for variant in variants(backend):
+            for variant in variants(backend, args.variants):
                 results[(length, variant)] = measure(backend, variant, length, args)
                 print(backend, length, variant, results[(length, variant)], flush=True)
         text = table(backend, args.lengths, results, args)

@@ -1,14 +1,35 @@
 """The explicit path in chunks of query rows: memory linear in the length.
 
-One chunk at a time (`ops.scan`), each recomputed in the backward pass
-(`keras.remat`). Every chunk sees all its keys, so its softmax is the
-materialized one, row for row.
+The forward pass goes one chunk at a time (`ops.scan`) and keeps, besides the
+output, only each row's log-sum-exp of its logits. Every chunk sees all its
+keys, so its softmax is the materialized one, row for row.
+
+The gradient is our own (`ops.custom_gradient`), again one chunk at a time:
+each chunk's weights are recomputed from its logits and the saved
+log-sum-exp, and the softmax's gradient follows FlashAttention's backward
+pass (Dao et al., 2022, Algorithm 4): `dP = dO V^T`, `dS = P * (dP -
+rowsum(dO * O))`, `dQ = dS K`, `dK += dS^T Q`, `dV += P^T dO`. No backend
+differentiates a loop here, so none can keep a chunk's weights for the
+gradient. `keras.remat` around each chunk, which PyTorch keeps
+(`RECOMPUTED`), failed to compile under XLA on TensorFlow, where Keras trains
+with XLA on a GPU: the gradient of Keras' TensorFlow `scan`, a
+`tf.while_loop` without `maximum_iterations`, asks XLA for "a fixed tensor
+list size". It also recomputes each chunk's output in the backward pass: 8
+matrix products a chunk, 7 here, 6 materialized.
 """
 
 import keras
 from keras import ops
 
+from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.kernels import explicit
+from keras_attn.ops.masks import zero_empty_rows
+
+# Where each chunk goes under `keras.remat` instead, differentiated by the
+# backend: PyTorch, where our gradient took 1.33x the time and 400 MiB more at
+# 8,192 tokens (`benchmarks/long_sequence.py`; the A/B is in
+# `benchmarks/results/long_sequence_tensorflow.md`).
+RECOMPUTED = ("torch",)
 
 
 def attention(query, key, value, mask, bias, is_causal, rows, options):
@@ -20,42 +41,217 @@ def attention(query, key, value, mask, bias, is_causal, rows, options):
     length = query.shape[1]
     count = -(-length // rows)
     rows = -(-length // count)  # the fewest padded rows for `count` chunks
-    chunked = {"query": _in_chunks(query, 1, count, rows)}  # (N, B, C, H, D)
-    for name, x in (("mask", mask), ("bias", bias)):
-        if x is not None and x.shape[2] != 1:  # per query row: chunked too
-            chunked[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
-    if is_causal:  # each chunk's first row
-        chunked["offset"] = ops.arange(0, count * rows, rows, dtype="int32")
+    if keras.config.backend() in RECOMPUTED:
+        return _recomputed(query, key, value, mask, bias, is_causal, rows, options)
 
-    def one_chunk(chunk):
-        given = {"mask": mask, "bias": bias, "offset": None, **chunk}
+    @ops.custom_gradient
+    def attend(query, key, value, *bias):
+        # Only what may need a gradient is an argument (the mask is not).
+        inputs = (query, key, value, *bias)
+        bias_or_none = bias[0] if bias else None
+        chunks, shared = _split(query, mask, bias_or_none, is_causal, count, rows)
+        output, log_sum = _forward(chunks, shared, key, value, options)
 
-        def attend(query, key, value, *bias):
-            # What may need a gradient is an argument (TF's `recompute_grad`
-            # differentiates those only); boolean and integer inputs are not
-            # (it cannot).
-            bias = bias[0] if bias else None
-            return explicit.attention(
-                query, key, value, given["mask"], bias, given["offset"], options
-            )[0]
+        def gradient(*args, upstream=None):
+            upstream = args[0] if upstream is None else upstream  # torch: kwarg
+            upstream = _in_chunks(upstream, 1, count, rows)  # (N, B, C, H, Dv)
+            sums = _backward(
+                chunks, shared, key, value, output, log_sum, upstream, options
+            )
+            grads = [_joined(sums["query"], length), sums["key"], sums["value"]]
+            if bias:  # chunked like the bias: `(N, B|1, H|1, C, S)` per row
+                per_row = "bias" in chunks
+                grads.append(
+                    _joined(sums["bias"], length, 2) if per_row else sums["bias"]
+                )
+            return tuple(
+                ops.cast(g, x.dtype) for g, x in zip(grads, inputs, strict=True)
+            )
 
-        extra = [] if given["bias"] is None else [given["bias"]]
-        return keras.remat(attend)(given["query"], key, value, *extra)
+        return _joined(output, length), gradient
+
+    return attend(query, key, value, *([] if bias is None else [bias]))
+
+
+def _recomputed(query, key, value, mask, bias, is_causal, rows, options):
+    """`attention` with each chunk under `keras.remat`, differentiated by the
+    backend (`RECOMPUTED`)."""
+    length = query.shape[1]
+    count = -(-length // rows)
+    chunks, shared = _split(query, mask, bias, is_causal, count, rows)
 
     def step(previous, chunk):
-        output = one_chunk(chunk)
+        def attend(query, key, value, *bias):
+            # What may need a gradient is an argument.
+            given = {**shared, **chunk, "query": query}
+            if bias:
+                given["bias"] = bias[0]
+            return explicit.attention(
+                query, key, value, given.get("mask"), given.get("bias"),
+                given.get("offset"), options,
+            )[0]  # fmt: skip
+
+        bias = chunk.get("bias", shared.get("bias"))
+        extra = [] if bias is None else [bias]
+        output = keras.remat(attend)(chunk["query"], key, value, *extra)
         return output, output
+
+    batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
+    first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
+    return _joined(ops.scan(step, first, chunks)[1], length)
+
+
+def _split(query, mask, bias, is_causal, count, rows):
+    """`(chunks, shared)`: each chunk's inputs, stacked `(N, ...)`, and the
+    inputs all chunks share."""
+    chunks, shared = {"query": _in_chunks(query, 1, count, rows)}, {}
+    for name, x in (("mask", mask), ("bias", bias)):
+        if x is not None and x.shape[2] != 1:  # per query row: chunked too
+            chunks[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
+        elif x is not None:
+            shared[name] = x
+    if is_causal:  # each chunk's first row
+        chunks["offset"] = ops.arange(0, count * rows, rows, dtype="int32")
+    return chunks, shared
+
+
+def _forward(chunks, shared, key, value, options):
+    """Each chunk's output `(N, B, C, H, Dv)` and its rows' log-sum-exp of the
+    logits `(N, B, H, C, 1)`."""
+
+    def step(previous, chunk):
+        logits, _, has_key = _logits(chunk, shared, key, options)  # (B, H, C, S)
+        top = ops.max(logits, axis=-1, keepdims=True)
+        exp = ops.exp(logits - top)  # softmax as Keras computes it
+        total = ops.sum(exp, axis=-1, keepdims=True)
+        probs = ops.cast(exp / total, value.dtype)
+        output = explicit.combine(probs, value, options)  # (B, C, H, Dv)
+        output = zero_empty_rows(output, None, has_key)[0]
+        result = (output, top + ops.log(total))
+        return result, result
 
     # `ops.scan`, not `ops.map`: TensorFlow's map runs 10 chunks at once. Its
     # scan wants outputs shaped like the carry, which is the previous chunk's
     # output (unused).
-    batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
-    first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
-    _, output = ops.scan(step, first, chunked)  # (N, B, C, H, Dv)
-    output = ops.reshape(
-        ops.moveaxis(output, 0, 1), (-1, count * rows, *output.shape[3:])
+    query = chunks["query"]  # (N, B, C, H, D)
+    batch, rows, heads = ops.shape(query)[1], query.shape[2], query.shape[3]
+    first = (
+        ops.zeros((batch, rows, heads, value.shape[-1]), dtype=value.dtype),
+        ops.zeros((batch, heads, rows, 1), dtype=at_least_float32(query.dtype)),
     )
-    return output[:, :length]
+    return ops.scan(step, first, chunks)[1]
+
+
+def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
+    """The gradients, summed over the chunks: `query` `(N, B, C, H, D)`,
+    `key`, `value`, and `bias` (chunked like the bias), in float32."""
+    wide = log_sum.dtype
+    upstream = ops.cast(upstream, wide)
+    # rowsum(dO * O), the softmax gradient's subtrahend: (N, B, H, C, 1)
+    delta = ops.sum(upstream * ops.cast(output, wide), axis=-1)
+    delta = ops.expand_dims(ops.moveaxis(delta, -1, 2), -1)
+    # Each step reads its chunk's rows (query, upstream gradient, a bias per
+    # row) from the stacks it then writes their gradients into, so the steps
+    # run one after the other: TensorFlow's while loop (as `ops.fori_loop`
+    # runs it) would start up to 10 at once, each with its chunk's weights.
+    chunks = dict(chunks)  # popped from below
+    width = chunks["query"].shape[-1]
+    query = ops.cast(chunks.pop("query"), wide)
+    sums = {
+        "rows": ops.concatenate([query, upstream], axis=-1),  # (N, B, C, H, D+Dv)
+        "key": ops.zeros(ops.shape(key), wide),
+        "value": ops.zeros(ops.shape(value), wide),
+    }
+    per_row = "bias" in chunks
+    if per_row:
+        sums["bias"] = ops.cast(chunks.pop("bias"), wide)  # (N, B|1, H|1, C, S)
+    elif "bias" in shared:
+        sums["bias"] = ops.zeros(ops.shape(shared["bias"]), wide)
+    chunks = {**chunks, "log_sum": log_sum, "delta": delta}
+
+    def step(index, sums):
+        chunk = {name: ops.take(x, index, axis=0) for name, x in chunks.items()}
+        rows = ops.take(sums["rows"], index, axis=0)
+        chunk["query"], chunk["upstream"] = rows[..., :width], rows[..., width:]
+        if per_row:
+            chunk["bias"] = ops.take(sums["bias"], index, axis=0)
+        grads = _chunk_gradients(chunk, shared, key, value, options)
+        rows = ops.concatenate(
+            [grads["query"], ops.zeros_like(chunk["upstream"])], axis=-1
+        )
+        sums = {
+            **sums,
+            "rows": _put(sums["rows"], index, rows),
+            "key": sums["key"] + grads["key"],
+            "value": sums["value"] + grads["value"],
+        }
+        if per_row:
+            sums["bias"] = _put(sums["bias"], index, grads["bias"])
+        elif "bias" in sums:
+            sums["bias"] = sums["bias"] + grads["bias"]
+        return sums
+
+    sums = ops.fori_loop(0, log_sum.shape[0], step, sums)
+    sums["query"] = sums.pop("rows")[..., :width]
+    return sums
+
+
+def _chunk_gradients(chunk, shared, key, value, options):
+    """One chunk's share of the gradients (FlashAttention's backward pass)."""
+    wide = chunk["log_sum"].dtype
+    logits, capped, has_key = _logits(chunk, shared, key, options)
+    probs = ops.exp(logits - chunk["log_sum"])  # (B, H, C, S)
+    upstream = zero_empty_rows(chunk["upstream"], None, has_key)[0]  # (B, C, H, Dv)
+    heads = key.shape[1 if options.heads_major else 2]
+    d_value = explicit.combine_rows(
+        ops.cast(probs, value.dtype), upstream, heads, options
+    )
+    d_probs = explicit.scores(upstream, value, options)
+    d_logits = probs * (d_probs - chunk["delta"])
+    d_scores = d_logits
+    if options.logit_soft_cap is not None:  # d tanh(x) = 1 - tanh(x)^2
+        d_scores = d_logits * (1.0 - ops.square(capped / options.logit_soft_cap))
+    query = ops.cast(chunk["query"], wide)
+    grads = {
+        "query": explicit.combine(d_scores, ops.cast(key, wide), options),
+        "key": explicit.combine_rows(d_scores, query, heads, options),
+        "value": d_value,
+    }
+    bias = chunk.get("bias", shared.get("bias"))
+    if bias is not None:  # summed over the axes it broadcasts
+        axes = [axis for axis in range(3) if bias.shape[axis] == 1]
+        grads["bias"] = (
+            ops.sum(d_logits, axis=axes, keepdims=True) if axes else d_logits
+        )
+    return grads
+
+
+def _logits(chunk, shared, key, options):
+    """A chunk's masked logits `(B, H, C, S)`, its soft-capped scores before
+    the bias, and which rows have a key `(B, 1|H, C, 1)` (`None`: all)."""
+    query = chunk["query"]
+    bias = chunk.get("bias", shared.get("bias"))
+    mask = chunk.get("mask", shared.get("mask"))
+    mask, has_key = explicit.visible(mask, chunk.get("offset"), query, key, options)
+    capped = explicit.soft_cap(explicit.scores(query, key, options), options)
+    logits = capped if bias is None else capped + ops.cast(bias, capped.dtype)
+    return explicit.masked(logits, mask), capped, has_key
+
+
+def _put(stack, index, x):
+    """`stack` `(N, ...)` with `x` at `index`."""
+    return ops.scatter_update(stack, ops.reshape(index, (1, 1)), x[None])
+
+
+def _joined(chunks, length, axis=1):
+    """The inverse of `_in_chunks`: `(N, ..., C, ...)` chunks joined on
+    `axis`, the padding cut off."""
+    shape = list(ops.shape(chunks))
+    joined = ops.moveaxis(chunks, 0, axis)  # (..., N, C, ...)
+    joined = ops.reshape(
+        joined, shape[1 : axis + 1] + [shape[0] * shape[axis + 1]] + shape[axis + 2 :]
+    )
+    return joined[(slice(None),) * axis + (slice(0, length),)]
 
 
 def _in_chunks(x, axis, count, rows):

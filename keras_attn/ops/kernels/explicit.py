@@ -25,50 +25,116 @@ def attention(query, key, value, mask, bias, causal_offset, options):
     or `(B, K, S, D)` with `options.heads_major`. Returns `(output (B, T, H,
     Dv), weights (B, H, T, S))`; rows whose mask allows no key give zeros.
     """
-    if causal_offset is not None:  # folded in, so that empty rows are found
+    mask, has_key = visible(mask, causal_offset, query, key, options)
+    output, probs = _weights_and_output(query, key, value, mask, bias, options)
+    return zero_empty_rows(output, probs, has_key)
+
+
+def visible(mask, causal_offset, query, key, options):
+    """`(mask, rows_with_any_key)`: the causal mask for rows at
+    `causal_offset` (`None`: not causal) folded into `mask`, so that empty rows
+    are found, and those rows opened (`open_empty_rows`); `(None, None)`
+    where nothing masks."""
+    if causal_offset is not None:
         length = ops.shape(query)[1]
         key_length = ops.shape(key)[2 if options.heads_major else 1]
         mask = merge_attention_masks(
             mask, causal(length, key_length, query_offset=causal_offset)
         )
-    has_key = None
-    if mask is not None:
-        mask, has_key = open_empty_rows(mask)
-    output, probs = _weights_and_output(query, key, value, mask, bias, options)
-    return zero_empty_rows(output, probs, has_key)
+    if mask is None:
+        return None, None
+    return open_empty_rows(mask)
 
 
 def _weights_and_output(query, key, value, mask, bias, options):
     """`(output (B, T, H, Dv), weights (B, H, T, S))`, the weights before
     dropout."""
-    batch, query_length, num_heads, head_dim = ops.shape(query)
+    probs = _masked_softmax(logits(query, key, bias, options), mask, value.dtype)
+    weights = probs if options.dropout is None else options.dropout(probs)
+    return combine(weights, value, options), probs
+
+
+def logits(query, key, bias, options):
+    """The logits `(B, H, T, S)`, soft-capped and biased, before the mask, in
+    float32 (float64 for float64 inputs)."""
+    logits = soft_cap(scores(query, key, options), options)
+    if bias is not None:
+        logits = logits + ops.cast(bias, logits.dtype)
+    return logits
+
+
+def soft_cap(logits, options):
+    """Gemma 2's `cap * tanh(logits / cap)`, where `options` caps."""
+    if options.logit_soft_cap is None:
+        return logits
+    cap = options.logit_soft_cap
+    return ops.tanh(logits / cap) * cap
+
+
+def scores(query, key, options):
+    """`query` `(B, T, H, D)` times `key` `(B, S, K, D)` (or `(B, K, S, D)`
+    with `options.heads_major`) over `D`: `(B, H, T, S)`, at least in float32."""
+    batch, query_length, num_heads, _ = ops.shape(query)
     num_key_value_heads = key.shape[1 if options.heads_major else 2]
     key_length = ops.shape(key)[2 if options.heads_major else 1]
-    groups = num_heads // num_key_value_heads
-    scores_equation, combine_equation = _grouped_einsums(
+    equation = _equations(num_heads, num_key_value_heads, options)["scores"]
+    wide = at_least_float32(query.dtype)
+    query = _grouped(ops.cast(query, wide), num_key_value_heads, axis=2)
+    scores = ops.einsum(equation, query, ops.cast(key, wide))
+    return ops.reshape(scores, (batch, num_heads, query_length, key_length))
+
+
+def combine(weights, value, options):
+    """`weights` `(B, H, T, S)` times `value` `(B, S, K, Dv)` (or heads-major)
+    over `S`: `(B, T, H, Dv)`."""
+    batch, num_heads, query_length, _ = ops.shape(weights)
+    num_key_value_heads = value.shape[1 if options.heads_major else 2]
+    equation = _equations(num_heads, num_key_value_heads, options)["combine"]
+    weights = _grouped(weights, num_key_value_heads, axis=1)
+    output = ops.einsum(equation, weights, value)
+    return ops.reshape(output, (batch, query_length, num_heads, -1))
+
+
+def combine_rows(weights, rows, num_key_value_heads, options):
+    """`weights` `(B, H, T, S)` times `rows` `(B, T, H, D)` over `T` and the
+    query heads of each key/value head: `(B, S, K, D)` (or heads-major), the
+    keys' layout. The transpose of `combine`, for the gradients of the keys
+    and values."""
+    num_heads = weights.shape[1]
+    equation = _equations(num_heads, num_key_value_heads, options)["to_keys"]
+    weights = _grouped(weights, num_key_value_heads, axis=1)
+    rows = _grouped(rows, num_key_value_heads, axis=2)
+    # `(B, K, D, S)`: the weights enter as they are. Asked for `S` before
+    # `D`, XLA's CPU compiler writes them transposed first.
+    output = ops.einsum(equation, rows, weights)
+    return ops.transpose(output, (0, 1, 3, 2) if options.heads_major else (0, 3, 1, 2))
+
+
+def _grouped(x, num_key_value_heads, axis):
+    """`x` with its heads axis split into `(K, G)` where heads are grouped."""
+    num_heads = x.shape[axis]
+    if num_heads == num_key_value_heads:
+        return x
+    shape = list(ops.shape(x))
+    groups = [num_key_value_heads, num_heads // num_key_value_heads]
+    return ops.reshape(x, shape[:axis] + groups + shape[axis + 1 :])
+
+
+def _equations(num_heads, num_key_value_heads, options):
+    """The einsums for either key/value layout: `scores` (query, key ->
+    logits), `combine` (weights, value -> output) and `to_keys` (query rows,
+    weights -> `(B, K, D, S)`)."""
+    scores, combine = _grouped_einsums(
         num_heads, num_key_value_heads, options.heads_major
     )
-    wide = at_least_float32(query.dtype)
-    query = ops.cast(query, wide)
-    if groups > 1:
-        query = ops.reshape(
-            query, (batch, query_length, num_key_value_heads, groups, head_dim)
-        )
-    logits = ops.einsum(scores_equation, query, ops.cast(key, wide))
-    logits = ops.reshape(logits, (batch, num_heads, query_length, key_length))
-    if options.logit_soft_cap is not None:  # Gemma 2: cap * tanh(logits / cap)
-        cap = options.logit_soft_cap
-        logits = ops.tanh(logits / cap) * cap
-    if bias is not None:
-        logits = logits + ops.cast(bias, wide)
-    probs = _masked_softmax(logits, mask, value.dtype)
-    weights = probs if options.dropout is None else options.dropout(probs)
-    if groups > 1:
-        weights = ops.reshape(
-            weights, (batch, num_key_value_heads, groups, query_length, key_length)
-        )
-    output = ops.einsum(combine_equation, weights, value)
-    return ops.reshape(output, (batch, query_length, num_heads, -1)), probs
+    operands, weights = scores.split("->")
+    queries, keys = operands.split(",")
+    heads = "h" if "h" in keys else "k"
+    return {
+        "scores": scores,
+        "combine": combine,
+        "to_keys": f"{queries},{weights}->b{heads}ds",
+    }
 
 
 def _grouped_einsums(num_heads, num_key_value_heads, heads_major):
@@ -86,10 +152,15 @@ def _grouped_einsums(num_heads, num_key_value_heads, heads_major):
 
 def _masked_softmax(logits, mask, dtype):
     """Softmax of `logits` over the keys `mask` allows, cast to `dtype`."""
-    if mask is not None:
-        lowest = np.finfo(keras.backend.standardize_dtype(logits.dtype)).min
-        logits = ops.where(mask, logits, lowest)
-    return ops.cast(_softmax(logits), dtype)
+    return ops.cast(_softmax(masked(logits, mask)), dtype)
+
+
+def masked(logits, mask):
+    """`logits` with the dtype's lowest number where `mask` is False."""
+    if mask is None:
+        return logits
+    lowest = np.finfo(keras.backend.standardize_dtype(logits.dtype)).min
+    return ops.where(mask, logits, lowest)
 
 
 def _softmax(logits):

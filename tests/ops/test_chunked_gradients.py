@@ -1,0 +1,111 @@
+"""The chunked explicit path's own gradient (`keras_attn/ops/kernels/chunked.py`):
+compiled as each backend trains, it equals the materialized path's, and under
+TensorFlow's XLA it keeps no weights of the whole length."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import ops as attn_ops
+from keras_attn.ops import plan
+from tests.helpers.backend import BACKEND, to_numpy, value_and_gradients
+from tests.helpers.builders import random_floats
+
+
+def compiled_value_and_gradients(fn, *arrays):
+    """`fn(*arrays)` and the gradients of `sum(fn(*arrays) * c)`, compiled as
+    Keras compiles a train step: `jax.jit`, `tf.function(jit_compile=True)`
+    (XLA, Keras' default where TensorFlow sees a GPU), eager on PyTorch."""
+    tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
+    cotangent = keras.ops.convert_to_tensor(random_floats(*arrays[0].shape, seed=99))
+
+    def loss(*xs):
+        output = fn(*xs)
+        return keras.ops.sum(output * cotangent), output
+
+    if BACKEND == "jax":
+        import jax
+
+        step = jax.value_and_grad(loss, argnums=tuple(range(len(arrays))), has_aux=True)
+        (_, output), grads = jax.jit(step)(*tensors)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function(jit_compile=True)
+        def step(*xs):
+            with tf.GradientTape() as tape:
+                tape.watch(xs)
+                total, output = loss(*xs)
+            return output, tape.gradient(total, xs)
+
+        output, grads = step(*tensors)
+    else:
+        tensors = [x.clone().requires_grad_(True) for x in tensors]
+        total, output = loss(*tensors)
+        total.backward()
+        output, grads = output.detach(), [x.grad for x in tensors]
+    return to_numpy(output), [to_numpy(g) for g in grads]
+
+
+def test_compiled_chunked_gradients_equal_the_materialized_path(small_chunks):
+    """One call with everything the chunked path handles: a causal mask and
+    a mask per row that leaves rows empty, a bias per row, grouped heads, a
+    soft cap, a padded last chunk (11 rows in chunks of 4)."""
+    q = random_floats(2, 11, 4, 8, seed=1, scale=3.0)
+    k, v = (random_floats(2, 11, 2, 8, seed=s) for s in (2, 3))
+    bias = random_floats(1, 4, 11, 11, seed=4)
+    mask = np.random.default_rng(5).random((2, 1, 11, 11)) > 0.3
+    mask[:, :, ::4] = False  # rows with no key: zeros, and no gradient
+
+    def attend(q, k, v, bias):
+        return attn_ops.dot_product_attention(
+            q, k, v, mask=mask, bias=bias, is_causal=True, logit_soft_cap=5.0
+        )
+
+    chunked = compiled_value_and_gradients(attend, q, k, v, bias)
+    assert small_chunks.calls, "the chunked path did not run"
+    small_chunks()
+    # The reference as it runs fastest: JAX's eager calls each compile.
+    reference = (
+        compiled_value_and_gradients if BACKEND == "jax" else value_and_gradients
+    )
+    materialized = reference(attend, q, k, v, bias)
+    for ours, theirs in zip(
+        keras.tree.flatten(chunked), keras.tree.flatten(materialized), strict=True
+    ):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(chunked[0][:, ::4], 0.0)
+    assert np.abs(chunked[1][0]).max() > 0.1  # a gradient to compare
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA program")
+def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatch):
+    """The largest array in the XLA program of a gradient step (TensorFlow's
+    `experimental_get_compiler_ir(...)(stage="optimized_hlo")`, whose HLO
+    text writes each array's shape, e.g. `f32[1,2,32,256]`): in chunks, a
+    chunk's logits; materialized, all `H * T * S` of them (the memory rule of
+    `plan.CHUNKED_FROM`, `benchmarks/long_sequence.py`)."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(plan, "CHUNK_LOGITS", 2 * 32 * 256)  # chunks of 32 rows
+    q = tf.constant(random_floats(1, 256, 2, 8))
+
+    def largest_array(chunked_from):
+        monkeypatch.setattr(plan, "CHUNKED_FROM", chunked_from)
+
+        @tf.function(jit_compile=True)
+        def gradient(q):
+            with tf.GradientTape() as tape:
+                tape.watch(q)
+                output = attn_ops.dot_product_attention(q, q, q, is_causal=True)
+                total = tf.reduce_sum(output * output)
+            return tape.gradient(total, q)
+
+        hlo = gradient.experimental_get_compiler_ir(q)(stage="optimized_hlo")
+        shapes = re.findall(r"\b(?:f32|pred|s32)\[([\d,]+)\]", hlo)
+        return max(np.prod([int(n) for n in shape.split(",")]) for shape in shapes)
+
+    assert largest_array(1) == 2 * 32 * 256
+    assert largest_array(float("inf")) >= 2 * 256 * 256
