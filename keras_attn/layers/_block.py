@@ -18,6 +18,7 @@ from keras_attn._checks import (
 from keras_attn.layers import _int8
 from keras_attn.layers._attention_call import check_scores_allowed
 from keras_attn.layers._docs import shared_docs
+from keras_attn.layers._lean_call import call_sublayer
 from keras_attn.layers._machinery import (
     ConfigCheck,
     clone_initializer,
@@ -191,9 +192,13 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         `scores` is `None` unless `return_scores`; `cache` is `None` unless a
         `cache` was passed to the attention.
         """
-        hidden = norm(x) if self.normalize_first else x
-        outputs = attention(
-            hidden, training=training, return_attention_scores=return_scores, **kw
+        hidden = call_sublayer(norm, x) if self.normalize_first else x
+        outputs = call_sublayer(
+            attention,
+            hidden,
+            training=training,
+            return_attention_scores=return_scores,
+            **kw,
         )
         outputs = tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,)
         scores = outputs[1] if return_scores else None
@@ -204,20 +209,21 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         """`W_2 activation(W_1 x + b_1) + b_2`, or gated `W_2 (activation(W_g x)
         * W_1 x)` (SwiGLU with silu, GeGLU with gelu), with its residual."""
         norm = self.feedforward_layer_norm
-        hidden = norm(x) if self.normalize_first else x
+        hidden = call_sublayer(norm, x) if self.normalize_first else x
+        intermediate = call_sublayer(self.feedforward_intermediate_dense, hidden)
         if self.gated_feedforward:
-            gate = self.activation(self.feedforward_gate_dense(hidden))
-            hidden = gate * self.feedforward_intermediate_dense(hidden)
+            gate = self.activation(call_sublayer(self.feedforward_gate_dense, hidden))
+            hidden = gate * intermediate
         else:
-            hidden = self.activation(self.feedforward_intermediate_dense(hidden))
+            hidden = self.activation(intermediate)
         hidden = self._drop(hidden, training)
-        output = self.feedforward_output_dense(hidden)
+        output = call_sublayer(self.feedforward_output_dense, hidden)
         return self._add_residual(x, output, norm, training)
 
     def _add_residual(self, x, branch, norm, training):
         """Post-norm `norm(x + drop(branch))` or pre-norm `x + drop(branch)`."""
         x = x + self._drop(branch, training)
-        return x if self.normalize_first else norm(x)
+        return x if self.normalize_first else call_sublayer(norm, x)
 
     def _drop(self, x, training):
         """Dropout where it drops something: in training with a rate > 0.
@@ -227,7 +233,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         PyTorch's eager steps, where Python bounds small blocks).
         """
         if self.dropout and training:
-            return self._dropout_layer(x, training=training)
+            return call_sublayer(self._dropout_layer, x, training=training)
         return x
 
     def _attention_layers(self):

@@ -6,6 +6,7 @@ import keras
 
 from keras_attn.layers import _int8
 from keras_attn.layers._initializers import MatrixInitializer
+from keras_attn.layers._lean_call import call_sublayer
 from keras_attn.layers._machinery import clone_initializer, leaf_dtype
 
 
@@ -72,7 +73,8 @@ def output_projection(layer, query_width):
 
 
 def project(dense, x):
-    """`dense(x)`, `(B, T, width)` -> `(B, T, heads, dim)`.
+    """`dense(x)`, `(B, T, width)` -> `(B, T, heads, dim)` (through
+    `call_sublayer`).
 
     Raises where Keras would add the bias on the wrong axis: on TensorFlow,
     `keras.ops.add` adds a bias of shape `(heads, 1)` along axis 1 (the
@@ -92,4 +94,4 @@ def project(dense, x):
             f"heads={bias_shape[0]}, head width=1. Use heads of width > 1 "
             "(key_dim/value_dim), use_bias=False, or another backend."
         )
-    return dense(x)
+    return call_sublayer(dense, x)

@@ -22,6 +22,7 @@ from keras_attn.layers._attention_call import (
 )
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._kv_cache import KeyValueCache
+from keras_attn.layers._lean_call import call_sublayer
 from keras_attn.layers._machinery import (
     ConfigCheck,
     dtype_config,
@@ -355,13 +356,20 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             bias=attention_bias,
             is_causal=causal,
             flash_attention=self.flash_attention,
-            dropout=self._attention_dropout if training and self.dropout else None,
+            dropout=self._dropout(training),
             return_scores=return_attention_scores,
             heads_major=cache is not None,
             logit_soft_cap=self.logit_soft_cap,
         )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
         return self._outputs(call, context, scores, cache)
+
+    def _dropout(self, training):
+        """The dropout on the weights, in training with a rate > 0 (`training`
+        passed explicitly: the layer may be called without `__call__`)."""
+        if not (training and self.dropout):
+            return None
+        return lambda weights: self._attention_dropout(weights, training=True)
 
     def _checks_calls(self):
         """Whether this call checks its arguments: not when the block that
@@ -394,9 +402,8 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         query = call.query
         if self.use_gate:
             context = context * project(self.gate_dense, self._axes.fold(query))
-        output = self._axes.unfold(
-            self.output_dense(context), query, len(self._output_shape or (1,))
-        )
+        output = call_sublayer(self.output_dense, context)
+        output = self._axes.unfold(output, query, len(self._output_shape or (1,)))
         outputs = (output,)
         if call.return_attention_scores:
             outputs += (self._axes.unfold_scores(scores, query, call.key),)
@@ -408,7 +415,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         head with `normalize_qk`, then rotated to `positions` with RoPE."""
         x = project(dense, x)
         if norm is not None:
-            x = norm(x)
+            x = call_sublayer(norm, x)
         if positions is not None:
             x = attn_ops.rotary_embedding(
                 x, positions, self.rope_max_wavelength, self.rope_scaling_factor

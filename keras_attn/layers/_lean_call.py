@@ -1,0 +1,90 @@
+"""Calling a built Keras sublayer from inside its parent's `call`, without
+the cost of `Layer.__call__` where that costs nothing but time.
+
+On PyTorch's eager steps Python bounds a block, and `Layer.__call__` (about
+80 us a call on a CPU, nine calls a block) is half of a small block's
+forward. Inside a parent's `call`, for a built sublayer, most of its work
+is already done or does nothing: the parent's call context holds
+`training`, the inputs are checked and of the compute dtype, the outputs'
+Keras masks are never read. `call_sublayer` runs the sublayer's `call`
+directly where `__call__` would do nothing else, and `__call__` otherwise:
+
+- a quantized sublayer (`__call__` dispatches to `quantized_call`), one
+  under a `RematScope`, or one with an activity regularizer;
+- under a `keras.distribution` (`__call__` lays out the outputs by path);
+- an argument that `__call__` converts: a numpy array, or (for a sublayer
+  that autocasts) a float tensor not of its compute dtype;
+- for a sublayer that autocasts: an autocast scope that `__call__` would change
+  (the sublayer's own dtype policy, a `DTypePolicyMap` entry, differs from
+  the scope its parent set, or no scope is set: `stateless_call`, a direct
+  `call`); for one that does not (`autocast=False`, Keras' norms): a
+  variable of its own that a scope would cast.
+
+The arguments go to `call` as passed: the parent passes `training` (and the
+masks) explicitly where the sublayer's `call` uses them.
+"""
+
+import keras
+
+try:  # Keras' autocast scope: no public way to ask for it (Keras 3.15).
+    from keras.src.backend.common.variables import get_autocast_scope
+except ImportError:  # another Keras: every sublayer through `__call__`
+    get_autocast_scope = None
+
+
+def call_sublayer(layer, inputs, *args, **kwargs):
+    """`layer(inputs, *args, **kwargs)`, through `layer.call` where that is
+    the same (the module docstring says when)."""
+    if lean(layer, inputs, *args, *kwargs.values()):
+        return layer.call(inputs, *args, **kwargs)
+    return layer(inputs, *args, **kwargs)
+
+
+def lean(layer, inputs, *arguments):
+    """Whether `layer.call(inputs, *arguments)` computes what
+    `layer(inputs, *arguments)` computes, from inside a parent's `call`
+    (the arguments flat: tensors, Python values or `None`)."""
+    return (
+        layer.built
+        and layer.quantization_mode is None
+        and layer.activity_regularizer is None
+        and getattr(layer, "_remat_mode", True) is None  # Keras' RematScope
+        and keras.distribution.distribution() is None
+        and keras.ops.is_tensor(inputs)
+        and _arguments_kept(layer, (inputs, *arguments))
+        and (_scope_kept(layer) if layer.autocast else _no_autocast(layer))
+    )
+
+
+def _arguments_kept(layer, arguments):
+    """Whether `Layer.__call__` would pass each argument on as it is: no
+    array to convert to a tensor, and (where the layer autocasts) no float
+    tensor of another dtype than its compute dtype to cast."""
+    for x in arguments:
+        if not keras.ops.is_tensor(x):
+            if hasattr(x, "__array__"):  # numpy: `__call__` converts it
+                return False
+        elif layer.autocast and keras.backend.is_float_dtype(x.dtype):
+            if keras.backend.standardize_dtype(x.dtype) != layer.input_dtype:
+                return False
+    return True
+
+
+def _scope_kept(layer):
+    """Whether `Layer.__call__` would keep Keras' autocast scope as it is:
+    without one, a sublayer of mixed dtypes enters its own; with one, a
+    sublayer enters another unless the scope's dtype is its compute dtype."""
+    if get_autocast_scope is None:
+        return False
+    scope = get_autocast_scope()
+    if scope is None:
+        return layer.compute_dtype == layer.variable_dtype
+    return scope.dtype == layer.compute_dtype
+
+
+def _no_autocast(layer):
+    """Whether Keras' autocast scope is nothing to a layer that casts
+    nothing itself (`autocast=False`, as Keras' norms): no variable of its
+    own that a scope would cast."""
+    # A variable's own switch has no public name (Keras 3.15: `_autocast`).
+    return not any(getattr(weight, "_autocast", True) for weight in layer.weights)

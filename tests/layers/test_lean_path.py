@@ -1,0 +1,134 @@
+"""The lean path through the blocks (keras_attn/layers/_lean_call.py): a
+sublayer's `call` run directly where Keras' `__call__` would do nothing
+more, `__call__` elsewhere; the same outputs and gradients either way, under
+mixed precision, with LoRA, quantized sublayers and a `DTypePolicyMap`."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn import TransformerDecoder
+from keras_attn.layers import _lean_call
+from tests.helpers.backend import BACKEND, to_numpy, value_and_gradients
+from tests.helpers.builders import random_floats
+
+BLOCK = {"intermediate_dim": 12, "num_heads": 2, "normalize_first": True}
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """`{sublayer path below the block: whether its calls took the lean
+    path}` (a sublayer called both ways maps to `None`)."""
+    calls = {}
+    lean = _lean_call.lean
+
+    def spy(layer, *arguments):
+        taken = lean(layer, *arguments)
+        path = layer.path.split("/", 1)[1]  # below the block
+        calls[path] = taken if calls.get(path, taken) == taken else None
+        return taken
+
+    monkeypatch.setattr(_lean_call, "lean", spy)
+    return calls
+
+
+def outputs_and_gradients(block, x, source):
+    """The block's outputs and the gradients of its inputs, called through
+    `__call__` (a padding mask hides the last position of row 0)."""
+    mask = np.ones(x.shape[:2], bool)
+    mask[0, -1] = False
+    keras_mask = keras.ops.convert_to_tensor(mask)
+
+    def call(x, source):
+        return keras.ops.cast(
+            block(x, source, decoder_padding_mask=keras_mask), "float32"
+        )
+
+    if BACKEND == "jax":  # the same ops as on the others; eager JAX
+        return to_numpy(call(x, source)), []  # compiles each gradient op: 15 s
+    return value_and_gradients(call, x, source)
+
+
+def assert_same_as_keras_call(block, lean_calls, monkeypatch):
+    """The lean path's outputs and gradients equal those of every sublayer
+    called through `Layer.__call__`, bit for bit (gradients: not on JAX);
+    `lean_calls` then holds the lean path's calls."""
+    x, source = random_floats(2, 5, 8, seed=1), random_floats(2, 5, 8, seed=2)
+    block(x, source)
+    lean_calls.clear()
+    lean_value, lean_gradients = outputs_and_gradients(block, x, source)
+    with monkeypatch.context() as patch:
+        patch.setattr(_lean_call, "lean", lambda layer, *arguments: False)
+        value, gradients = outputs_and_gradients(block, x, source)
+    np.testing.assert_array_equal(lean_value, value)
+    for lean_gradient, gradient in zip(lean_gradients, gradients, strict=True):
+        np.testing.assert_array_equal(lean_gradient, gradient)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_every_sublayer_is_lean_and_the_numbers_keras_ones(
+    policy, lean_calls, monkeypatch
+):
+    block = TransformerDecoder(**BLOCK, dtype=policy)
+    assert_same_as_keras_call(block, lean_calls, monkeypatch)
+    expected = {"self_attention", "cross_attention/value", "feedforward_output_dense"}
+    expected |= {"self_attention_layer_norm", "self_attention/attention_output"}
+    assert expected <= set(lean_calls)
+    assert all(lean_calls.values()), lean_calls
+
+
+def test_lora_adapters_reach_the_lean_path(lean_calls, monkeypatch):
+    block = TransformerDecoder(**BLOCK)
+    block(random_floats(2, 5, 8), random_floats(2, 5, 8))
+    block.enable_lora(2, b_initializer="ones")  # adapters that change outputs
+    assert_same_as_keras_call(block, lean_calls, monkeypatch)
+    assert lean_calls["cross_attention/query"]
+    assert lean_calls["feedforward_output_dense"]
+
+
+def test_quantized_sublayers_go_through_keras_call(lean_calls, monkeypatch):
+    block = TransformerDecoder(**BLOCK)
+    block(random_floats(2, 5, 8), random_floats(2, 5, 8))
+    # Two of them (Keras' `quantize` collects garbage, seconds for them all).
+    block.self_attention.query_dense.quantize("int8")
+    block.feedforward_output_dense.quantize("int8")
+    assert_same_as_keras_call(block, lean_calls, monkeypatch)
+    assert lean_calls["self_attention/query"] is False
+    assert lean_calls["feedforward_output_dense"] is False
+    assert lean_calls["self_attention/key"] and lean_calls["feedforward_layer_norm"]
+
+
+def test_a_sublayer_of_another_policy_goes_through_keras_call(lean_calls, monkeypatch):
+    """A `DTypePolicyMap` gives the self-attention's input projections
+    float32 in a mixed block: only `__call__` leaves the block's autocast
+    scope for them."""
+    policy = keras.dtype_policies.DTypePolicyMap("mixed_bfloat16")
+    policy["probe/self_attention/(query|key|value)$"] = "float32"
+    block = TransformerDecoder(**BLOCK, dtype=policy, name="probe")
+    assert_same_as_keras_call(block, lean_calls, monkeypatch)
+    assert lean_calls["self_attention/value"] is False
+    assert lean_calls["self_attention/query"] is False
+    assert lean_calls["cross_attention/value"] and lean_calls["self_attention"]
+
+
+def test_a_call_without_keras_autocast_scope_goes_through_keras_call(lean_calls):
+    """`block.call` (as `stateless_call` runs it) sets no autocast scope: the
+    mixed sublayers must enter their own, as through `block(...)`."""
+    block = TransformerDecoder(**BLOCK, dtype="mixed_bfloat16")
+    x = keras.ops.cast(random_floats(2, 5, 8), "bfloat16")
+    expected = to_numpy(block(x))
+    lean_calls.clear()
+    np.testing.assert_array_equal(to_numpy(block.call(x)), expected)
+    assert lean_calls["self_attention"] is False
+    assert lean_calls["self_attention/query"]  # in the scope of the attention's call
+    assert lean_calls["feedforward_intermediate_dense"] is False
+
+
+def test_arguments_that_keras_call_would_convert_go_through_it():
+    dense = keras.layers.Dense(3)
+    dense.build((None, 4))
+    x = keras.ops.ones((2, 4))
+    assert _lean_call.lean(dense, x, None, 1, keras.ops.ones((2,), "int32"))
+    assert not _lean_call.lean(dense, x, np.ones(2))  # made a tensor
+    assert not _lean_call.lean(dense, keras.ops.cast(x, "float16"))  # cast
+    assert not _lean_call.lean(dense, x, keras.ops.cast(x, "float16"))
