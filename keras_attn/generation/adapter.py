@@ -12,6 +12,7 @@ from keras_attn._checks import checked_upstream
 from keras_attn.generation.graph import is_decoder
 from keras_attn.layers import SinusoidalEmbedding
 from keras_attn.layers._kv_cache import caches_written_by
+from keras_attn.layers._lean_call import call_sublayer
 
 
 class ModelAdapter:
@@ -118,13 +119,14 @@ class ModelAdapter:
         caches, decoder = [], 0
         for layer, _ in self.plan.body:
             if not is_decoder(layer):
-                x = layer(x)
+                x = call_sublayer(layer, x)
                 continue
             kwargs = self._decoder_kwargs(layer, decoder, state, positions)
             if self.rolling[decoder] and not prefill:
                 x, cache = _rolling_call(layer, x, state, decoder, index, kwargs)
             else:
-                x, cache, *_ = layer(
+                x, cache, *_ = call_sublayer(
+                    layer,
                     x,
                     decoder_padding_mask=state["keys"],
                     self_attention_cache=state["caches"][decoder],
@@ -138,7 +140,7 @@ class ModelAdapter:
         # apply the `(B, T)` mask across the vocabulary.
         x = ops.copy(x)
         for layer, kwargs in self.plan.head:
-            x = layer(x, **kwargs)
+            x = call_sublayer(layer, x, **kwargs)
         return ops.cast(x, "float32"), {**state, "caches": caches}
 
     def _decoder_kwargs(self, layer, decoder, state, positions):
@@ -222,7 +224,8 @@ def _rolling_call(layer, x, state, decoder, index, kwargs):
     padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
     slots = ops.take(padded, index + 1 + ops.arange(window), axis=1)  # (B, w)
     with caches_written_by(None):  # the roll copies it anyway
-        x, cache, *_ = layer(
+        x, cache, *_ = call_sublayer(
+            layer,
             x,
             decoder_padding_mask=slots,
             self_attention_cache=cache,
