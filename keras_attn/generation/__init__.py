@@ -13,7 +13,8 @@ Hugging Face's `generate`, one concern per module:
 - `settings`: the arguments, validated once, in a frozen dataclass that is the
   cache key of compiled loops; numbers are loop inputs, so they compile nothing.
 - `loop`: the loop itself, compiled per segment of cache length (64, 128, ...)
-  so each step attends over at most twice the positions written so far.
+  so each step attends over at most twice the positions written so far (on
+  PyTorch, one step compiled once per shape, over the whole length).
 - `api`: `generate` itself: checks the call, finds the loop, runs it.
 """
 

@@ -84,9 +84,9 @@ def inductor_options(device):
 
     On a GPU a step is bound by kernel launches, not by the GPU: CUDA graphs
     (what `mode="reduce-overhead"` turns on) replay the step's kernels as one
-    launch. The step's shapes are fixed per segment, so one graph is
-    recorded per segment. On a CPU, the C++ wrapper calls the kernels without
-    Python in between.
+    launch. The step's shapes are fixed for a `generate` shape, so one graph
+    is recorded per shape. On a CPU, the C++ wrapper calls the kernels
+    without Python in between.
     """
     if device.type == "cuda":
         return {"triton.cudagraphs": True}
@@ -113,9 +113,8 @@ def compile_step(function, layers, state, numbers):
     - A graph replays only if every input it writes in place is static, at
       one address for good (torch's `check_for_mutation`: otherwise
       "skipping cudagraphs due to mutated inputs"); other inputs are copied
-      into the graph's own memory at every replay. So the kept leaves are
-      marked static and held by `_StaticLeaves` at the first call's
-      addresses.
+      into the graph's own memory at every replay. So the kept leaves live
+      in `_StaticLeaves`, marked static.
     """
     kept = _Kept(state)
     module = _FlatStep(function, layers, state, numbers, kept.found)
@@ -123,20 +122,19 @@ def compile_step(function, layers, state, numbers):
     with torch.no_grad():
         exported = torch.export.export(module, tuple(leaves), strict=False)
     device = leaves[0].device
-    graphs = replays_cuda_graphs(device)
-    static = _StaticLeaves(leaves, kept.kept) if graphs else None
+    static = _StaticLeaves(leaves, kept.kept) if replays_cuda_graphs(device) else None
     compiled = torch.compile(
         exported.module(), dynamic=False, options=inductor_options(device)
     )
 
     def step(state, numbers):
         leaves = pytree.tree_leaves((state, numbers))
-        if graphs:  # the last step's outputs are this step's inputs, no more
+        if static is not None:  # the last outputs are these inputs, no more
             leaves = static.place(leaves)
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             returned = compiled(*leaves)
-            if graphs:
+            if static is not None:
                 returned = tuple(leaf.clone() for leaf in returned)
         return kept.state(leaves, returned)
 
@@ -144,12 +142,14 @@ def compile_step(function, layers, state, numbers):
 
 
 class _StaticLeaves:
-    """The kept state leaves at fixed addresses: the first call's tensors,
-    marked static; a later call's leaves are copied into them once (at its
-    first step: after that, the step hands the same tensors back)."""
+    """The kept state leaves at fixed addresses: buffers of their own, marked
+    static (`torch._dynamo.mark_static_address`, as Hugging Face's static
+    cache does), into which each call's leaves are copied at its first step;
+    after that, the step hands the same tensors back. A cache per kept leaf
+    stays allocated while the compiled step is kept (with the model)."""
 
     def __init__(self, leaves, kept):
-        self.tensors = {i: leaves[i] for i, k in enumerate(kept) if k}
+        self.tensors = {i: leaves[i].clone() for i, k in enumerate(kept) if k}
         for tensor in self.tensors.values():
             torch._dynamo.mark_static_address(tensor)
 
@@ -157,5 +157,11 @@ class _StaticLeaves:
         leaves = list(leaves)
         for i, tensor in self.tensors.items():
             if leaves[i] is not tensor:
+                if leaves[i].shape != tensor.shape or leaves[i].dtype != tensor.dtype:
+                    raise ValueError(  # `generate` keys its steps by every shape
+                        f"The compiled step was recorded for {tensor.dtype} "
+                        f"{tuple(tensor.shape)} at state leaf {i}; received "
+                        f"{leaves[i].dtype} {tuple(leaves[i].shape)}."
+                    )
                 leaves[i] = tensor.copy_(leaves[i])
         return leaves

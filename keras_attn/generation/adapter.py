@@ -83,7 +83,7 @@ class ModelAdapter:
         mask = padding_mask(self.plan.embedding, token)
         if mask is not None:  # a padding id is padding to the model, too
             state = {**state, "keys": ops.slice_update(state["keys"], [0, index], mask)}
-        with checked_upstream(), caches_written_by(self.write):
+        with checked_upstream():
             logits, state = self._run(token, index, state)
         return logits[:, -1], state
 
@@ -119,19 +119,14 @@ class ModelAdapter:
         caches, decoder = [], 0
         for layer, _ in self.plan.body:
             if not is_decoder(layer):
-                x = call_sublayer(layer, x)
+                x = layer(x)
                 continue
             kwargs = self._decoder_kwargs(layer, decoder, state, positions)
             if self.rolling[decoder] and not prefill:
                 x, cache = _rolling_call(layer, x, state, decoder, index, kwargs)
             else:
-                x, cache, *_ = call_sublayer(
-                    layer,
-                    x,
-                    decoder_padding_mask=state["keys"],
-                    self_attention_cache=state["caches"][decoder],
-                    self_attention_cache_update_index=index,
-                    **kwargs,
+                x, cache = self._decoder_call(
+                    layer, x, state, decoder, index, kwargs, prefill
                 )
             caches.append(cache)
             decoder += 1
@@ -140,8 +135,23 @@ class ModelAdapter:
         # apply the `(B, T)` mask across the vocabulary.
         x = ops.copy(x)
         for layer, kwargs in self.plan.head:
-            x = call_sublayer(layer, x, **kwargs)
+            x = layer(x, **kwargs)
         return ops.cast(x, "float32"), {**state, "caches": caches}
+
+    def _decoder_call(self, layer, x, state, decoder, index, kwargs, prefill):
+        """A decoder on the new tokens, its cache written at `index` (in
+        place in a step on PyTorch): `(output, cache)`. Through the lean
+        path: every argument is explicit, masks included."""
+        with caches_written_by(None if prefill else self.write):
+            x, cache, *_ = call_sublayer(
+                layer,
+                x,
+                decoder_padding_mask=state["keys"],
+                self_attention_cache=state["caches"][decoder],
+                self_attention_cache_update_index=index,
+                **kwargs,
+            )
+        return x, cache
 
     def _decoder_kwargs(self, layer, decoder, state, positions):
         cross = state["cross"].get(str(decoder))
@@ -223,15 +233,14 @@ def _rolling_call(layer, x, state, decoder, index, kwargs):
     window = cache.shape[3]
     padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
     slots = ops.take(padded, index + 1 + ops.arange(window), axis=1)  # (B, w)
-    with caches_written_by(None):  # the roll copies it anyway
-        x, cache, *_ = call_sublayer(
-            layer,
-            x,
-            decoder_padding_mask=slots,
-            self_attention_cache=cache,
-            self_attention_cache_update_index=window - 1,
-            **kwargs,
-        )
+    x, cache, *_ = call_sublayer(  # written by `slice_update`: the roll copies
+        layer,
+        x,
+        decoder_padding_mask=slots,
+        self_attention_cache=cache,
+        self_attention_cache_update_index=window - 1,
+        **kwargs,
+    )
     return x, ops.roll(cache, -1, axis=3)
 
 

@@ -2,6 +2,9 @@
 strategy, wired into compiled `ops.while_loop`s, one per cache segment (on
 PyTorch, a Python loop over one step, compiled once per shape)."""
 
+import contextlib
+import threading
+
 import keras
 import numpy as np
 from keras import ops
@@ -35,6 +38,7 @@ class Generator(keras.Model):
         self.traces = 0
         torch = keras.config.backend() == "torch"
         self.compiled_steps = {} if jit_compile and torch else None  # by shape
+        self._holding = threading.Lock()
         self.compile(jit_compile=jit_compile and not torch)
         self.built = True
 
@@ -60,10 +64,11 @@ class Generator(keras.Model):
             self._initial_state(inputs["prompt"], pads, logits, model)
         )
         numbers = {key: inputs[key] for key in NUMBERS}
-        for i, size in enumerate(segments):
-            if i > 0:
-                state["model"] = self.adapter.grow(state["model"], size)
-            state = self._segment(state, size, numbers, on_token)
+        with self._steps_held():
+            for i, size in enumerate(segments):
+                if i > 0:
+                    state["model"] = self.adapter.grow(state["model"], size)
+                state = self._segment(state, size, numbers, on_token)
         tokens, scores = self.strategy.finish(state, numbers)
         return {"tokens": tokens, **({"scores": scores} if scores is not None else {})}
 
@@ -125,10 +130,25 @@ class Generator(keras.Model):
             index += 1
         return state
 
+    def _steps_held(self):
+        """PyTorch's compiled steps keep their state in buffers of their own
+        (`_torch._StaticLeaves`): one decoding at a time may use them."""
+        if self.compiled_steps is None:
+            return contextlib.nullcontext()
+        if not self._holding.acquire(blocking=False):
+            raise RuntimeError(
+                "This compiled `generate` loop is already decoding (in another "
+                "thread, or an `on_token` callback called `generate` again): its "
+                "caches are held in place. Wait for it, or pass jit_compile=False."
+            )
+        return _released(self._holding)
+
     def _compiled(self, size, state, numbers):
         """PyTorch: the step exported and compiled for these shapes (one
         segment, the whole length: one compile per `generate` shape)."""
-        key = (size, tuple(state["tokens"].shape))  # exported for these shapes
+        key = tuple(  # exported for these shapes (the source's length too)
+            (tuple(x.shape), str(x.dtype)) for x in keras.tree.flatten(state)
+        )
         if key not in self.compiled_steps:
             from keras_attn.generation import _torch
 
@@ -192,6 +212,14 @@ class Generator(keras.Model):
             new = ops.one_hot(token, state["seen"].shape[-1]) > 0
             state["seen"] = ops.logical_or(state["seen"], new)
         return token, state
+
+
+@contextlib.contextmanager
+def _released(lock):
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _seen(prompt, pads, vocabulary):

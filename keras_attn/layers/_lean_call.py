@@ -59,9 +59,13 @@ def lean(layer, inputs, *arguments):
 def _arguments_kept(layer, arguments):
     """Whether `Layer.__call__` would pass each argument on as it is: no
     array to convert to a tensor, and (where the layer autocasts) no float
-    tensor of another dtype than its compute dtype to cast."""
+    tensor of another dtype than its compute dtype to cast (nested ones
+    too: `__call__` maps over structures)."""
     for x in arguments:
-        if not keras.ops.is_tensor(x):
+        if isinstance(x, list | tuple | dict):
+            if not _arguments_kept(layer, keras.tree.flatten(x)):
+                return False
+        elif not keras.ops.is_tensor(x):
             if hasattr(x, "__array__"):  # numpy: `__call__` converts it
                 return False
         elif layer.autocast and keras.backend.is_float_dtype(x.dtype):

@@ -9,7 +9,7 @@ from keras_attn.generation import generate
 from tests.helpers.backend import BACKEND
 from tests.helpers.builders import GENERATION_VOCAB as VOCAB
 from tests.helpers.builders import GENERATION_WIDTH as WIDTH
-from tests.helpers.builders import decoder_only_model
+from tests.helpers.builders import decoder_only_model, encoder_decoder_model
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "torch", reason="PyTorch's compiled step (jit_compile=True)"
@@ -76,7 +76,27 @@ def test_the_cuda_graph_double_refuses_a_moved_written_input(cuda_graphs):
 
     replay = CudaGraphReplays(lambda cache: (cache.add_(1).sum(),))
     cache = torch.zeros(2)
+    torch._dynamo.mark_static_address(cache)
     replay(cache)
     replay(cache)
+    moved = torch.zeros(2)
+    torch._dynamo.mark_static_address(moved)
     with pytest.raises(AssertionError, match="mutated inputs"):
-        replay(torch.zeros(2))
+        replay(moved)
+    with pytest.raises(AssertionError, match="mutated inputs"):
+        CudaGraphReplays(lambda cache: (cache.add_(1).sum(),))(torch.zeros(2))
+
+
+def test_sources_of_another_length_get_a_step_of_their_own(cuda_graphs):
+    """The cross-attention caches are kept (static) leaves: a source of
+    another length is another shape, so another compiled step, not a copy
+    into the first one's buffers."""
+    model = encoder_decoder_model(VOCAB, WIDTH)
+    for length in (3, 5):
+        sources = np.arange(1, 2 * length + 1).reshape(2, length) % VOCAB
+        inputs = {"source": sources, "target": PROMPTS[:, :2]}
+        compiled = generate(model, inputs, 6, jit_compile=True)
+        np.testing.assert_array_equal(
+            compiled, generate(model, inputs, 6, jit_compile=False)
+        )
+    assert len(cuda_graphs) == 2

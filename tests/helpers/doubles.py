@@ -61,10 +61,12 @@ class CudaGraphReplays:
     It crashed `generate(jit_compile=True)` on CUDA (FINDINGS.md, section 1).
 
     A second rule: a graph replays only if the inputs it writes in place are
-    static, at the address they had when it was recorded (torch's
-    `check_for_mutation` in `torch/_inductor/cudagraph_utils.py`; otherwise
-    "skipping cudagraphs due to mutated inputs", and the step runs without
-    a graph). Here an input written in place at another address raises.
+    static inputs (parameters, buffers, or tensors marked by
+    `torch._dynamo.mark_static_address`), at the address they had when it
+    was recorded (torch's `check_for_mutation` in
+    `torch/_inductor/cudagraph_utils.py`; otherwise "skipping cudagraphs due
+    to mutated inputs", and the step runs without a graph). Here an input
+    written in place unmarked, or at another address, raises.
     """
 
     def __init__(self, function):
@@ -95,6 +97,9 @@ class CudaGraphReplays:
         if self.written is None:
             self.written = written
         moved = [i for i in written if self.written.get(i) != written[i]]
+        moved += [  # static: marked by `torch._dynamo.mark_static_address`
+            i for i in written if not hasattr(inputs[i], "_dynamo_static_input_type")
+        ]
         if moved:
             raise AssertionError(
                 f"skipping cudagraphs due to mutated inputs: inputs {moved} were "

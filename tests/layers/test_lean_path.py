@@ -130,5 +130,6 @@ def test_arguments_that_keras_call_would_convert_go_through_it():
     x = keras.ops.ones((2, 4))
     assert _lean_call.lean(dense, x, None, 1, keras.ops.ones((2,), "int32"))
     assert not _lean_call.lean(dense, x, np.ones(2))  # made a tensor
+    assert not _lean_call.lean(dense, x, {"nested": [np.ones(2)]})
     assert not _lean_call.lean(dense, keras.ops.cast(x, "float16"))  # cast
     assert not _lean_call.lean(dense, x, keras.ops.cast(x, "float16"))

@@ -19,7 +19,9 @@ def compiled_value_and_gradients(fn, *arrays):
     Keras compiles a train step: `jax.jit`, `tf.function(jit_compile=True)`
     (XLA, Keras' default where TensorFlow sees a GPU), eager on PyTorch."""
     tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
-    cotangent = keras.ops.convert_to_tensor(random_floats(*arrays[0].shape, seed=99))
+    # As `value_and_gradients` draws it: shaped like the output, `(B, T, H, Dv)`.
+    shape = (*arrays[0].shape[:-1], arrays[2].shape[-1])
+    cotangent = keras.ops.convert_to_tensor(random_floats(*shape, seed=99))
 
     def loss(*xs):
         output = fn(*xs)
@@ -49,20 +51,34 @@ def compiled_value_and_gradients(fn, *arrays):
     return to_numpy(output), [to_numpy(g) for g in grads]
 
 
-def test_compiled_chunked_gradients_equal_the_materialized_path(small_chunks):
-    """One call with everything the chunked path handles: a causal mask and
-    a mask per row that leaves rows empty, a bias per row, grouped heads, a
-    soft cap, a padded last chunk (11 rows in chunks of 4)."""
+CASES = {
+    "causal, a mask and a bias per row, grouped heads, a soft cap": dict(
+        keys=11, value_width=8, bias=(1, 4, 11, 11), causal=True, cap=5.0
+    ),
+    "cross-attention: a mask only, a bias shared by the rows, values of "
+    "another width": dict(keys=7, value_width=6, bias=(1, 4, 1, 7), causal=False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_chunked_gradients_equal_the_materialized_path(case, small_chunks):
+    """Everything the chunked path handles, in two calls: masks per row that
+    leave rows empty, biases per row and shared (its gradient summed over
+    the rows), grouped heads, a soft cap, keys of another length and values
+    of another width, a padded last chunk (11 rows in chunks of 4)."""
+    case = CASES[case]
     q = random_floats(2, 11, 4, 8, seed=1, scale=3.0)
-    k, v = (random_floats(2, 11, 2, 8, seed=s) for s in (2, 3))
-    bias = random_floats(1, 4, 11, 11, seed=4)
-    mask = np.random.default_rng(5).random((2, 1, 11, 11)) > 0.3
+    k = random_floats(2, case["keys"], 2, 8, seed=2)
+    v = random_floats(2, case["keys"], 2, case["value_width"], seed=3)
+    bias = random_floats(*case["bias"], seed=4)
+    mask = np.random.default_rng(5).random((2, 1, 11, case["keys"])) > 0.3
     mask[:, :, ::4] = False  # rows with no key: zeros, and no gradient
 
     def attend(q, k, v, bias):
         return attn_ops.dot_product_attention(
-            q, k, v, mask=mask, bias=bias, is_causal=True, logit_soft_cap=5.0
-        )
+            q, k, v, mask=mask, bias=bias, is_causal=case["causal"],
+            logit_soft_cap=case.get("cap"),
+        )  # fmt: skip
 
     chunked = compiled_value_and_gradients(attend, q, k, v, bias)
     assert small_chunks.calls, "the chunked path did not run"
@@ -77,7 +93,7 @@ def test_compiled_chunked_gradients_equal_the_materialized_path(small_chunks):
     ):
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(chunked[0][:, ::4], 0.0)
-    assert np.abs(chunked[1][0]).max() > 0.1  # a gradient to compare
+    assert np.abs(chunked[1][-1]).max() > 0.01  # a bias gradient to compare
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA program")

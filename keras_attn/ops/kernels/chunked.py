@@ -53,7 +53,8 @@ def attention(query, key, value, mask, bias, is_causal, rows, options):
         output, log_sum = _forward(chunks, shared, key, value, options)
 
         def gradient(*args, upstream=None):
-            upstream = args[0] if upstream is None else upstream  # torch: kwarg
+            # Keras' documented signature for every backend's custom gradient.
+            upstream = args[0] if upstream is None else upstream
             upstream = _in_chunks(upstream, 1, count, rows)  # (N, B, C, H, Dv)
             sums = _backward(
                 chunks, shared, key, value, output, log_sum, upstream, options
@@ -219,7 +220,11 @@ def _chunk_gradients(chunk, shared, key, value, options):
     }
     bias = chunk.get("bias", shared.get("bias"))
     if bias is not None:  # summed over the axes it broadcasts
-        axes = [axis for axis in range(3) if bias.shape[axis] == 1]
+        axes = [
+            axis
+            for axis in range(4)
+            if bias.shape[axis] == 1 and d_logits.shape[axis] != 1
+        ]
         grads["bias"] = (
             ops.sum(d_logits, axis=axes, keepdims=True) if axes else d_logits
         )
