@@ -28,9 +28,15 @@ def test_cuda_graph_replays_decode_like_eager(cuda_graphs):
         compiled = generate(model, PROMPTS, 70, jit_compile=True, **kwargs)
         eager = generate(model, PROMPTS, 70, jit_compile=False, **kwargs)
         np.testing.assert_array_equal(compiled, eager)
+    with pytest.raises(RuntimeError, match="already decoding"):  # its buffers
+        generate(  # are in use: a callback may not decode on them again
+            model, PROMPTS, 70, jit_compile=True,
+            on_token=lambda *_: generate(model, PROMPTS, 70, jit_compile=True),
+        )  # fmt: skip
     again = generate(model, PROMPTS[::-1], 70, jit_compile=True)  # new caches
     np.testing.assert_array_equal(again, compiled[::-1])
-    assert len(cuda_graphs) == 2 and cuda_graphs[1].replays == 2 * (70 - 4)
+    assert len(cuda_graphs) == 2  # greedy: two calls, and the refused one's step
+    assert cuda_graphs[1].replays == 2 * (70 - 4) + 1
     assert all(len(x.shape) < 5 for r in cuda_graphs for x in r.outputs)
     assert all(r.written for r in cuda_graphs)  # the caches, in place
 
