@@ -13,6 +13,12 @@ from tests.helpers.backend import BACKEND, to_numpy, value_and_gradients
 from tests.helpers.builders import random_floats
 
 BLOCK = {"intermediate_dim": 12, "num_heads": 2, "normalize_first": True}
+# The numbers of both paths, not on JAX: which path a sublayer takes is Python
+# that no backend changes, and JAX's eager calls compile each operation (10 s,
+# in a suite near its time limit); every JAX test of a block runs the lean path.
+same_numbers = pytest.mark.skipif(
+    BACKEND == "jax", reason="the lean path's numbers: TensorFlow and PyTorch"
+)
 
 
 @pytest.fixture
@@ -44,15 +50,13 @@ def outputs_and_gradients(block, x, source):
             block(x, source, decoder_padding_mask=keras_mask), "float32"
         )
 
-    if BACKEND == "jax":  # the same ops as on the others; eager JAX
-        return to_numpy(call(x, source)), []  # compiles each gradient op: 15 s
     return value_and_gradients(call, x, source)
 
 
 def assert_same_as_keras_call(block, lean_calls, monkeypatch):
     """The lean path's outputs and gradients equal those of every sublayer
-    called through `Layer.__call__`, bit for bit (gradients: not on JAX);
-    `lean_calls` then holds the lean path's calls."""
+    called through `Layer.__call__`, bit for bit; `lean_calls` then holds
+    the lean path's calls."""
     x, source = random_floats(2, 5, 8, seed=1), random_floats(2, 5, 8, seed=2)
     block(x, source)
     lean_calls.clear()
@@ -65,6 +69,7 @@ def assert_same_as_keras_call(block, lean_calls, monkeypatch):
         np.testing.assert_array_equal(lean_gradient, gradient)
 
 
+@same_numbers
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_every_sublayer_is_lean_and_the_numbers_keras_ones(
     policy, lean_calls, monkeypatch
@@ -77,6 +82,7 @@ def test_every_sublayer_is_lean_and_the_numbers_keras_ones(
     assert all(lean_calls.values()), lean_calls
 
 
+@same_numbers
 def test_lora_adapters_reach_the_lean_path(lean_calls, monkeypatch):
     block = TransformerDecoder(**BLOCK)
     block(random_floats(2, 5, 8), random_floats(2, 5, 8))
@@ -86,6 +92,7 @@ def test_lora_adapters_reach_the_lean_path(lean_calls, monkeypatch):
     assert lean_calls["feedforward_output_dense"]
 
 
+@same_numbers
 def test_quantized_sublayers_go_through_keras_call(lean_calls, monkeypatch):
     block = TransformerDecoder(**BLOCK)
     block(random_floats(2, 5, 8), random_floats(2, 5, 8))
@@ -98,6 +105,7 @@ def test_quantized_sublayers_go_through_keras_call(lean_calls, monkeypatch):
     assert lean_calls["self_attention/key"] and lean_calls["feedforward_layer_norm"]
 
 
+@same_numbers
 def test_a_sublayer_of_another_policy_goes_through_keras_call(lean_calls, monkeypatch):
     """A `DTypePolicyMap` gives the self-attention's input projections
     float32 in a mixed block: only `__call__` leaves the block's autocast
