@@ -159,7 +159,7 @@ def _run(plan, query, key, value, mask, bias, is_causal, options):
     query = ops.multiply(query, ops.convert_to_tensor(options.scale, dtype=dtype))
     if plan.kernel == "chunked":
         output = chunked.attention(
-            query, key, value, mask, bias, is_causal, plan.chunk_rows, options
+            query, key, value, mask, bias, is_causal, plan, options
         )
         return output, None
     causal_offset = 0 if is_causal else None

@@ -87,6 +87,14 @@ CHUNKED_FROM = 2**26
 CHUNK_LOGITS = 2**25
 MIN_CHUNK_ROWS = 16
 
+# The chunked path's gradient: our own (FlashAttention's backward pass), which
+# no backend's autodiff of the loop can undo, except on these backends, where
+# each chunk goes under `keras.remat`: on PyTorch ours took 1.33x the time and
+# 400 MiB more at 8,192 tokens (`benchmarks/long_sequence.py`; the A/B in
+# `benchmarks/results/long_sequence_tensorflow.md`). On TensorFlow the
+# gradient of Keras' `scan` does not compile under XLA.
+CHUNKS_REMATERIALIZED = ("torch",)
+
 # Rule 4's reason.
 FLASH_DISABLED = "flash attention disabled by keras.config.disable_flash_attention()"
 
@@ -109,6 +117,9 @@ class AttentionPlan:
         composite: bool. PyTorch's composite kernel only (`torch.export`
             tracing a dynamic length).
         chunk_rows: int or `None`. Query rows per chunk (`"chunked"` only).
+        chunk_gradient: `"own"` (FlashAttention's backward pass from each
+            row's log-sum-exp) or `"remat"` (each chunk recomputed by
+            `keras.remat`); `"chunked"` only.
         not_fused: tuple of str. Why no fused kernel runs (empty when one
             does).
     """
@@ -119,6 +130,7 @@ class AttentionPlan:
     require_fused: bool = False
     composite: bool = False
     chunk_rows: int | None = None
+    chunk_gradient: str | None = None
     not_fused: tuple = ()
 
 
@@ -183,9 +195,14 @@ def plan_attention(
         not_fused += _explicit_here(backend, platform, chunk_rows)
     elif flash_attention is False:
         not_fused += ("flash_attention=False",)
+    if not_fused and chunk_rows:
+        gradient = "remat" if backend in CHUNKS_REMATERIALIZED else "own"
+        return AttentionPlan(
+            "chunked", chunk_rows=chunk_rows, chunk_gradient=gradient,
+            not_fused=not_fused,
+        )  # fmt: skip
     if not_fused:
-        kernel = "chunked" if chunk_rows else "materialized"
-        return AttentionPlan(kernel, chunk_rows=chunk_rows, not_fused=not_fused)
+        return AttentionPlan("materialized", not_fused=not_fused)
     grouped = query_shape[2] != key_shape[1 if heads_major else 2]
     return AttentionPlan(
         "fused",

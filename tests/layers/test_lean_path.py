@@ -30,7 +30,7 @@ def lean_calls(monkeypatch):
 
     def spy(layer, *arguments):
         taken = lean(layer, *arguments)
-        path = layer.path.split("/", 1)[1]  # below the block
+        path = (layer.path or layer.name).split("/", 1)[-1]  # below the block
         calls[path] = taken if calls.get(path, taken) == taken else None
         return taken
 
@@ -141,3 +141,23 @@ def test_arguments_that_keras_call_would_convert_go_through_it():
     assert not _lean_call.lean(dense, x, {"nested": [np.ones(2)]})
     assert not _lean_call.lean(dense, keras.ops.cast(x, "float16"))  # cast
     assert not _lean_call.lean(dense, x, keras.ops.cast(x, "float16"))
+
+
+def test_training_reaches_the_dropouts_on_the_lean_path(lean_calls):
+    """`training=True` passed down explicitly: the block's dropout and the
+    attention weights' drop, with every sublayer on the lean path (where no
+    `__call__` sets Keras' training context)."""
+    x = keras.ops.convert_to_tensor(random_floats(2, 5, 8))
+    block = TransformerDecoder(**BLOCK, dropout=0.5)
+    inference = to_numpy(block(x))
+    lean_calls.clear()
+    training = to_numpy(block(x, training=True))
+    assert all(lean_calls.values()), lean_calls
+    assert {"dropout", "self_attention"} <= set(lean_calls)
+    assert not np.allclose(training, inference)
+    # The attention's own: the same block with only its weights dropped.
+    attention = block.self_attention
+    hidden = keras.ops.cast(x, attention.compute_dtype)
+    kept = to_numpy(attention.call(hidden, hidden, training=False))
+    dropped = to_numpy(attention.call(hidden, hidden, training=True))
+    assert not np.allclose(kept, dropped)

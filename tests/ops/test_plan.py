@@ -106,6 +106,11 @@ EXPLICIT = {
         "chunked",
         "XLA",
     ),
+    "PyTorch, long, flash_attention=False": (
+        dict(backend="torch", flash_attention=False, shapes=(LONG_QUERY, LONG_KEYS)),
+        "chunked",
+        "False",
+    ),
     "long with dropout: materialized": (
         dict(dropout=True, shapes=(LONG_QUERY, LONG_KEYS)),
         "materialized",
@@ -126,6 +131,9 @@ def test_explicit_paths_and_why(name):
     assert chosen.kernel == kernel
     assert any(reason in r for r in chosen.not_fused), chosen.not_fused
     assert (chosen.chunk_rows is not None) == (kernel == "chunked")
+    if kernel == "chunked":  # the speed rule: `keras.remat` on PyTorch only
+        remat = kwargs.get("backend", "jax") == "torch"
+        assert chosen.chunk_gradient == ("remat" if remat else "own")
 
 
 def test_long_sequences_stay_fused_where_a_kernel_streams_them():

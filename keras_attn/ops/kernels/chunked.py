@@ -10,12 +10,12 @@ log-sum-exp, and the softmax's gradient follows FlashAttention's backward
 pass (Dao et al., 2022, Algorithm 4): `dP = dO V^T`, `dS = P * (dP -
 rowsum(dO * O))`, `dQ = dS K`, `dK += dS^T Q`, `dV += P^T dO`. No backend
 differentiates a loop here, so none can keep a chunk's weights for the
-gradient. `keras.remat` around each chunk, which PyTorch keeps
-(`RECOMPUTED`), failed to compile under XLA on TensorFlow, where Keras trains
-with XLA on a GPU: the gradient of Keras' TensorFlow `scan`, a
-`tf.while_loop` without `maximum_iterations`, asks XLA for "a fixed tensor
-list size". It also recomputes each chunk's output in the backward pass: 8
-matrix products a chunk, 7 here, 6 materialized.
+gradient. `keras.remat` around each chunk, which PyTorch keeps (the plan's
+`chunk_gradient`, `plan.CHUNKS_REMATERIALIZED`), failed to compile under XLA
+on TensorFlow, where Keras trains with XLA on a GPU: the gradient of Keras'
+TensorFlow `scan`, a `tf.while_loop` without `maximum_iterations`, asks XLA
+for "a fixed tensor list size". It also recomputes each chunk's output in
+the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
 """
 
 import keras
@@ -25,24 +25,21 @@ from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.kernels import explicit
 from keras_attn.ops.masks import zero_empty_rows
 
-# Where each chunk goes under `keras.remat` instead, differentiated by the
-# backend: PyTorch, where our gradient took 1.33x the time and 400 MiB more at
-# 8,192 tokens (`benchmarks/long_sequence.py`; the A/B is in
-# `benchmarks/results/long_sequence_tensorflow.md`).
-RECOMPUTED = ("torch",)
 
-
-def attention(query, key, value, mask, bias, is_causal, rows, options):
+def attention(query, key, value, mask, bias, is_causal, plan, options):
     """The explicit path on `query` `(B, T, H, D)` (already scaled) in chunks
-    of about `rows` query rows; returns `(B, T, H, Dv)`.
+    of about `plan.chunk_rows` query rows, with the plan's `chunk_gradient`;
+    returns `(B, T, H, Dv)`.
 
     The rows are padded to whole chunks, and the padding cut off.
     """
     length = query.shape[1]
-    count = -(-length // rows)
+    count = -(-length // plan.chunk_rows)
     rows = -(-length // count)  # the fewest padded rows for `count` chunks
-    if keras.config.backend() in RECOMPUTED:
-        return _recomputed(query, key, value, mask, bias, is_causal, rows, options)
+    if plan.chunk_gradient == "remat":
+        return _recomputed(
+            query, key, value, mask, bias, is_causal, count, rows, options
+        )
 
     @ops.custom_gradient
     def attend(query, key, value, *bias):
@@ -74,11 +71,10 @@ def attention(query, key, value, mask, bias, is_causal, rows, options):
     return attend(query, key, value, *([] if bias is None else [bias]))
 
 
-def _recomputed(query, key, value, mask, bias, is_causal, rows, options):
+def _recomputed(query, key, value, mask, bias, is_causal, count, rows, options):
     """`attention` with each chunk under `keras.remat`, differentiated by the
-    backend (`RECOMPUTED`)."""
+    backend (`plan.CHUNKS_REMATERIALIZED`)."""
     length = query.shape[1]
-    count = -(-length // rows)
     chunks, shared = _split(query, mask, bias, is_causal, count, rows)
 
     def step(previous, chunk):
@@ -146,29 +142,12 @@ def _forward(chunks, shared, key, value, options):
 def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
     """The gradients, summed over the chunks: `query` `(N, B, C, H, D)`,
     `key`, `value`, and `bias` (chunked like the bias), in float32."""
-    wide = log_sum.dtype
-    upstream = ops.cast(upstream, wide)
-    # rowsum(dO * O), the softmax gradient's subtrahend: (N, B, H, C, 1)
-    delta = ops.sum(upstream * ops.cast(output, wide), axis=-1)
-    delta = ops.expand_dims(ops.moveaxis(delta, -1, 2), -1)
-    # Each step reads its chunk's rows (query, upstream gradient, a bias per
-    # row) from the stacks it then writes their gradients into, so the steps
-    # run one after the other: TensorFlow's while loop (as `ops.fori_loop`
-    # runs it) would start up to 10 at once, each with its chunk's weights.
-    chunks = dict(chunks)  # popped from below
     width = chunks["query"].shape[-1]
-    query = ops.cast(chunks.pop("query"), wide)
-    sums = {
-        "rows": ops.concatenate([query, upstream], axis=-1),  # (N, B, C, H, D+Dv)
-        "key": ops.zeros(ops.shape(key), wide),
-        "value": ops.zeros(ops.shape(value), wide),
-    }
+    chunks, sums = _backward_start(
+        chunks, shared, key, value, output, log_sum, upstream
+    )
     per_row = "bias" in chunks
-    if per_row:
-        sums["bias"] = ops.cast(chunks.pop("bias"), wide)  # (N, B|1, H|1, C, S)
-    elif "bias" in shared:
-        sums["bias"] = ops.zeros(ops.shape(shared["bias"]), wide)
-    chunks = {**chunks, "log_sum": log_sum, "delta": delta}
+    chunks = {name: x for name, x in chunks.items() if name != "bias"}
 
     def step(index, sums):
         chunk = {name: ops.take(x, index, axis=0) for name, x in chunks.items()}
@@ -195,6 +174,32 @@ def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
     sums = ops.fori_loop(0, log_sum.shape[0], step, sums)
     sums["query"] = sums.pop("rows")[..., :width]
     return sums
+
+
+def _backward_start(chunks, shared, key, value, output, log_sum, upstream):
+    """`(chunks, sums)`: what each backward step reads, and the sums it adds
+    to. Each step reads its chunk's rows (query, upstream gradient, a bias
+    per row) from the stacks it then writes their gradients into, so the
+    steps run one after the other: TensorFlow's while loop (as
+    `ops.fori_loop` runs it) would start up to 10 at once, each with its
+    chunk's weights."""
+    wide = log_sum.dtype
+    upstream = ops.cast(upstream, wide)
+    # rowsum(dO * O), the softmax gradient's subtrahend: (N, B, H, C, 1)
+    delta = ops.sum(upstream * ops.cast(output, wide), axis=-1)
+    delta = ops.expand_dims(ops.moveaxis(delta, -1, 2), -1)
+    query = ops.cast(chunks["query"], wide)
+    sums = {
+        "rows": ops.concatenate([query, upstream], axis=-1),  # (N, B, C, H, D+Dv)
+        "key": ops.zeros(ops.shape(key), wide),
+        "value": ops.zeros(ops.shape(value), wide),
+    }
+    if "bias" in chunks:
+        sums["bias"] = ops.cast(chunks["bias"], wide)  # (N, B|1, H|1, C, S)
+    elif "bias" in shared:
+        sums["bias"] = ops.zeros(ops.shape(shared["bias"]), wide)
+    rest = {name: x for name, x in chunks.items() if name != "query"}
+    return {**rest, "log_sum": log_sum, "delta": delta}, sums
 
 
 def _chunk_gradients(chunk, shared, key, value, options):
