@@ -115,7 +115,7 @@ class Generator(keras.Model):
         step = (
             (lambda state: self._step(state, numbers))
             if self.compiled_steps is None
-            else self._compiled(size, state, numbers)
+            else self._compiled(state, numbers)
         )
         index = int(ops.convert_to_numpy(state["index"]))
         ends = bool(self.settings.end_token_ids)
@@ -141,9 +141,11 @@ class Generator(keras.Model):
                 "thread, or an `on_token` callback called `generate` again): its "
                 "caches are held in place. Wait for it, or pass jit_compile=False."
             )
-        return _released(self._holding)
+        held = contextlib.ExitStack()
+        held.callback(self._holding.release)
+        return held
 
-    def _compiled(self, size, state, numbers):
+    def _compiled(self, state, numbers):
         """PyTorch: the step exported and compiled for these shapes (one
         segment, the whole length: one compile per `generate` shape)."""
         key = tuple(  # exported for these shapes (the source's length too)
@@ -212,14 +214,6 @@ class Generator(keras.Model):
             new = ops.one_hot(token, state["seen"].shape[-1]) > 0
             state["seen"] = ops.logical_or(state["seen"], new)
         return token, state
-
-
-@contextlib.contextmanager
-def _released(lock):
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _seen(prompt, pads, vocabulary):
