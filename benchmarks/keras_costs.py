@@ -47,7 +47,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_attn  # noqa: E402
 from benchmarks.timing import describe, time_calls  # noqa: E402
-from benchmarks.torch_overhead import contention, machine, profile_step  # noqa: E402
+from benchmarks.torch_overhead import (  # noqa: E402
+    contention,
+    machine,
+    profile_step,
+)
+from benchmarks.torch_overhead import table as overhead_table  # noqa: E402
 
 B, T, WIDTH, HEADS, FFN = 2, 16, 64, 4, 128
 LAYER_CALLS = 100  # a layer call's time is that of 100 calls / 100
@@ -178,28 +183,11 @@ def measure(calls, steps, warmup):
     return rows
 
 
-def ratio(value, reference):
-    return f"{value / reference:.2f}x" if reference else "-"
-
-
 def table(rows):
     """Markdown lines: a row per (piece, contender), ratios against the
     piece's native row (its last)."""
     reference = {piece: (seconds, profile) for piece, _, seconds, profile in rows}
-    lines = [
-        "| piece | contender | µs per call | time vs native | aten ops "
-        "| ops vs native | top-level aten ops | outside aten ops |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for piece, name, seconds, profile in rows:
-        base_seconds, base = reference[piece]
-        lines.append(
-            f"| {piece} | {name} | {seconds * 1e6:.1f} "
-            f"| {ratio(seconds, base_seconds)} | {profile['ops']:.0f} "
-            f"| {ratio(profile['ops'], base['ops'])} | {profile['top']:.0f} "
-            f"| {100 * profile['outside']:.0f}% |"
-        )
-    return lines
+    return overhead_table(rows, reference, "piece", ("µs per call", 1e6, 1))
 
 
 def summary(rows):

@@ -304,27 +304,37 @@ def measure(calls, steps, new_tokens, warmup):
     return rows
 
 
-def table(rows):
-    """Markdown lines: one row per (task, contender), ratios against native."""
-    native = {
-        task: (seconds, profile)
-        for task, name, seconds, profile in rows
-        if name in (NATIVE, NATIVE_DECODER)
-    }
+def table(rows, native=None, first="step", unit=("ms", 1e3, 3)):
+    """Markdown lines: one row per (task, contender), ratios against the
+    task's native row. `native`: `{task: (seconds, profile)}`, by default
+    the rows named `NATIVE` or `NATIVE_DECODER`; `first`: the first
+    column's name; `unit`: the time column's `(name, scale, decimals)`."""
+    if native is None:
+        native = {
+            task: (seconds, profile)
+            for task, name, seconds, profile in rows
+            if name in (NATIVE, NATIVE_DECODER)
+        }
+    name, scale, decimals = unit
     lines = [
-        "| step | contender | ms | time vs native | aten ops | ops vs native "
-        "| top-level aten ops | outside aten ops |",
+        f"| {first} | contender | {name} | time vs native | aten ops "
+        "| ops vs native | top-level aten ops | outside aten ops |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for task, name, seconds, profile in rows:
+    for task, contender, seconds, profile in rows:
         base_seconds, base = native[task]
         lines.append(
-            f"| {task} | {name} | {seconds * 1e3:.3f} "
-            f"| {seconds / base_seconds:.2f}x | {profile['ops']:.0f} "
-            f"| {profile['ops'] / base['ops']:.2f}x | {profile['top']:.0f} "
+            f"| {task} | {contender} | {seconds * scale:.{decimals}f} "
+            f"| {ratio(seconds, base_seconds)} | {profile['ops']:.0f} "
+            f"| {ratio(profile['ops'], base['ops'])} | {profile['top']:.0f} "
             f"| {100 * profile['outside']:.0f}% |"
         )
     return lines
+
+
+def ratio(value, reference):
+    """`value / reference` as `1.23x`; `-` for a reference of 0."""
+    return f"{value / reference:.2f}x" if reference else "-"
 
 
 def machine():
