@@ -39,8 +39,9 @@ _WEIGHTS = (
     ("feedforward_output_dense/bias", (_SHARD,), None),
     ("embeddings", (_SHARD, _SPLIT), "embedding width"),
     *(
-        (f"{sublayer}_layer_norm/{weight}", (_SHARD,), None)
+        (f"{sublayer}_{norm}/{weight}", (_SHARD,), None)
         for sublayer in ("self_attention", "cross_attention", "feedforward")
+        for norm in ("layer_norm", "output_norm")
         for weight in ("gamma", "beta", "scale")
     ),
     *((f"{name}_norm/scale", (_SHARD,), None) for name in ("query", "key")),
@@ -76,7 +77,8 @@ def get_layout_map(
     - `embeddings` (the `token_embedding` of `SinusoidalEmbedding`):
       `(None, "model")`.
     - `attention_output/bias`, `feedforward_output_dense/bias`, the layer
-      and RMS norms and the QK-norms: replicated, `(None,)`.
+      and RMS norms (the sublayer output norms too) and the QK-norms:
+      replicated, `(None,)`.
 
     Every keras_attn weight is matched by exactly one rule. Keras'
     `keras.layers.MultiHeadAttention` has the same sublayers and weights, so

@@ -36,7 +36,8 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
     Holds the shared arguments and builds the pieces every block has: attention
     sublayers with their norms, and the position-wise feed-forward network
     `W_2 activation(W_1 x + b_1) + b_2` (or gated, `W_2 (activation(W_g x) *
-    W_1 x)`). Subclasses write `call` as a flat script of `_residual(x,
+    W_1 x)`), and with `normalize_sublayer_outputs` a norm of each sublayer's
+    output. Subclasses write `call` as a flat script of `_residual(x,
     sublayer)` steps. The arguments keras-hub's blocks have come first, in
     keras-hub's order; keras_attn's own are keyword only.
     """
@@ -58,6 +59,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         *,
         normalization="layer_norm",
         gated_feedforward=False,
+        normalize_sublayer_outputs=False,
         **kwargs,
     ):
         num_heads = check_positive_int("num_heads", num_heads)
@@ -83,6 +85,9 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             "normalization", normalization, ("layer_norm", "rms_norm")
         )
         self.gated_feedforward = check_bool("gated_feedforward", gated_feedforward)
+        self.normalize_sublayer_outputs = check_bool(
+            "normalize_sublayer_outputs", normalize_sublayer_outputs
+        )
         options.apply(self)
         self.supports_masking = True
 
@@ -102,7 +107,8 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         check_scores_allowed(self.flash_attention, return_attention_scores, "block")
 
     def _build_attention(self, name, query_shape, value_shape=None, window=None):
-        """An attention sublayer and the norm of its residual branch.
+        """An attention sublayer, the norm of its residual branch and the norm
+        of its output (`None` without `normalize_sublayer_outputs`).
 
         Self-attention (no `value_shape`) gets the rotary positions; both
         kinds get QK-norm and soft-capping. The block checks the tensors it
@@ -113,7 +119,9 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         options.update(key_dim=self.key_dim or width // self.num_heads)
         options.update(sliding_window=window)
         if value_shape is not None:  # keys of another sequence: no positions
-            options.update(rope_max_wavelength=None, rope_scaling_factor=1.0)
+            options.update(
+                rope_max_wavelength=None, rope_scaling_factor=1.0, rope_scaling=None
+            )
         attention = MultiHeadAttention(
             num_heads=self.num_heads,
             dropout=self.dropout,
@@ -126,7 +134,15 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         )
         attention._inputs_checked_by_caller = True
         attention.build(query_shape, value_shape)
-        return attention, self._build_norm(f"{name}_layer_norm", query_shape)
+        norm = self._build_norm(f"{name}_layer_norm", query_shape)
+        return attention, norm, self._build_output_norm(name, query_shape)
+
+    def _build_output_norm(self, sublayer, shape):
+        """The norm of `sublayer`'s output, `{sublayer}_output_norm`, with
+        `normalize_sublayer_outputs`; `None` without."""
+        if not self.normalize_sublayer_outputs:
+            return None
+        return self._build_norm(f"{sublayer}_output_norm", shape)
 
     def _build_norm(self, name, shape):
         """Keras' `LayerNormalization` (without its offset when `use_bias` is
@@ -149,7 +165,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         before the matrices: keras-hub's encoder does, its decoder does not.
         In keras-hub's order (the gate between the two matrices, as in
         keras-hub's Llama), `set_weights` moves weights between keras-hub's
-        blocks and these.
+        blocks and these; the output norm, if any, comes last.
         """
         if norm_first:
             self.feedforward_layer_norm = self._build_norm(
@@ -170,6 +186,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             self.feedforward_layer_norm = self._build_norm(
                 "feedforward_layer_norm", shape
             )
+        self.feedforward_output_norm = self._build_output_norm("feedforward", shape)
         self._dropout_layer = keras.layers.Dropout(
             self.dropout, dtype=leaf_dtype(self, "dropout"), name="dropout"
         )
@@ -186,12 +203,16 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         dense.build(input_shape)
         return dense
 
-    def _attention_residual(self, x, attention, norm, training, return_scores, **kw):
+    def _attention_residual(self, x, attention, norms, training, return_scores, **kw):
         """One attention sublayer with its residual: `(x, scores, cache)`.
+
+        `norms`: the sublayer's `(layer_norm, output_norm)` (the output norm
+        `None` without `normalize_sublayer_outputs`).
 
         `scores` is `None` unless `return_scores`; `cache` is `None` unless a
         `cache` was passed to the attention.
         """
+        norm, output_norm = norms
         hidden = call_sublayer(norm, x) if self.normalize_first else x
         outputs = call_sublayer(
             attention,
@@ -203,7 +224,8 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         outputs = tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,)
         scores = outputs[1] if return_scores else None
         cache = outputs[-1] if kw.get("cache") is not None else None
-        return self._add_residual(x, outputs[0], norm, training), scores, cache
+        x = self._add_residual(x, outputs[0], norm, output_norm, training)
+        return x, scores, cache
 
     def _feedforward_residual(self, x, training):
         """`W_2 activation(W_1 x + b_1) + b_2`, or gated `W_2 (activation(W_g x)
@@ -218,10 +240,16 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             hidden = self.activation(intermediate)
         hidden = self._drop(hidden, training)
         output = call_sublayer(self.feedforward_output_dense, hidden)
-        return self._add_residual(x, output, norm, training)
+        return self._add_residual(
+            x, output, norm, self.feedforward_output_norm, training
+        )
 
-    def _add_residual(self, x, branch, norm, training):
-        """Post-norm `norm(x + drop(branch))` or pre-norm `x + drop(branch)`."""
+    def _add_residual(self, x, branch, norm, output_norm, training):
+        """Post-norm `norm(x + drop(branch))` or pre-norm `x + drop(branch)`,
+        `branch` through `output_norm` first where there is one (Gemma 2's
+        post-sublayer norms, before the dropout as in keras-hub's Gemma)."""
+        if output_norm is not None:
+            branch = call_sublayer(output_norm, branch)
         x = x + self._drop(branch, training)
         return x if self.normalize_first else call_sublayer(norm, x)
 
@@ -282,6 +310,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 "normalize_first": self.normalize_first,
                 "normalization": self.normalization,
                 "gated_feedforward": self.gated_feedforward,
+                "normalize_sublayer_outputs": self.normalize_sublayer_outputs,
                 **AttentionOptions.config_of(self),
                 "dtype": dtype_config(self),
             }

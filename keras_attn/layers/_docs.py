@@ -35,6 +35,13 @@ gated_feedforward: bool, keyword only. The gated network
     `W_2 (activation(W_g x) * W_1 x)` (`feedforward_gate_dense` is
     `W_g`): SwiGLU with `activation="silu"`, GeGLU with `"gelu"`.
     Defaults to `False`.
+normalize_sublayer_outputs: bool, keyword only. Each sublayer's output
+    (self-attention, cross-attention, feed-forward `F`) goes through a
+    norm of its own (`*_output_norm`: `normalization`, with
+    `layer_norm_epsilon`) before the dropout and the residual add.
+    Pre-norm: `x + Dropout(Norm_out(F(Norm(x))))`, Gemma 2/3's
+    post-attention and post-feed-forward norms; post-norm:
+    `Norm(x + Dropout(Norm_out(F(x))))`. Defaults to `False`.
 use_bias: bool, keyword only. `False` drops every bias: the
     projections', the feed-forward matrices' and the layer norms'
     offsets (as LLaMA). Defaults to `True`.
@@ -48,6 +55,14 @@ rope_max_wavelength: float, keyword only. Rotary position embeddings
     `keras_attn.ops.rotary_embedding`. Defaults to `None` (none).
 rope_scaling_factor: float, keyword only. Positions are divided by it
     (linear position interpolation). Defaults to `1.0`.
+rope_scaling: dict, keyword only. Hugging Face's `rope_scaling`
+    (`rope_type` `"linear"`, `"dynamic"`, `"yarn"` or `"llama3"`, with
+    its keys), computed as keras-hub's rotary layers compute it; see
+    `keras_attn.ops.rotary_embedding`. Needs `rope_max_wavelength`, not
+    with `rope_scaling_factor`. Defaults to `None`.
+attention_scale: float, keyword only. The multiplier of the
+    query-key logits (Gemma: `(width / num_heads) ** -0.5`). Defaults
+    to `None`, `1 / sqrt(key_dim)`.
 **kwargs: Base layer arguments (`name`, `dtype`, ...).
 """
 

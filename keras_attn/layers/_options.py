@@ -10,6 +10,7 @@ from keras_attn._checks import (
     check_positive_int,
 )
 from keras_attn.ops.plan import fused_limits, refuse_flash
+from keras_attn.ops.positions import check_rope_scaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,8 @@ class AttentionOptions:
     logit_soft_cap: float | None = None
     rope_max_wavelength: float | None = None
     rope_scaling_factor: float = 1.0
+    rope_scaling: dict | None = None
+    attention_scale: float | None = None
 
     @classmethod
     def names(cls):
@@ -71,6 +74,15 @@ class AttentionOptions:
             rope_scaling_factor=check_positive_float(
                 "rope_scaling_factor", options.rope_scaling_factor
             ),
+            rope_scaling=check_rope_scaling(
+                options.rope_scaling,
+                "rope_scaling",
+                options.rope_scaling_factor,
+                "rope_scaling_factor",
+            ),
+            attention_scale=check_positive_float(
+                "attention_scale", options.attention_scale, allow_none=True
+            ),
         )
         options._check_together(dropout)
         return options
@@ -81,6 +93,13 @@ class AttentionOptions:
                 "`rope_scaling_factor` scales rotary positions, and there are none "
                 "without `rope_max_wavelength`. Received: rope_scaling_factor="
                 f"{self.rope_scaling_factor}, rope_max_wavelength=None."
+            )
+        if self.rope_max_wavelength is None and self.rope_scaling is not None:
+            raise ValueError(
+                "`rope_scaling` scales rotary positions, and there are none "
+                "without `rope_max_wavelength`. Received: rope_scaling="
+                f"{self.rope_scaling}, rope_max_wavelength=None. Pass "
+                "`rope_max_wavelength` (e.g. 10000.0)."
             )
         if self.flash_attention and dropout > 0:
             refuse_flash(
@@ -104,5 +123,10 @@ class AttentionOptions:
     @classmethod
     def config_of(cls, layer):
         """The options of `layer` (its attributes), by name: config entries
-        and the arguments of an attention sublayer."""
-        return {name: getattr(layer, name) for name in cls.names()}
+        and the arguments of an attention sublayer. Dicts (`rope_scaling`)
+        as plain copies: a layer's attribute is Keras' tracked dict."""
+        options = {name: getattr(layer, name) for name in cls.names()}
+        return {
+            name: dict(value) if isinstance(value, dict) else value
+            for name, value in options.items()
+        }

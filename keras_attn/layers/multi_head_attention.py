@@ -3,7 +3,6 @@
 import keras
 from keras import ops
 
-from keras_attn import ops as attn_ops
 from keras_attn._checks import (
     call_checks_skipped,
     check_output_shape,
@@ -40,6 +39,7 @@ from keras_attn.layers._projections import (
 )
 from keras_attn.ops.attention import attend
 from keras_attn.ops.plan import fused_limits, refuse_flash
+from keras_attn.ops.positions import rotate
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -131,6 +131,17 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             (no rotation).
         rope_scaling_factor: float, keyword only. Positions are divided by it
             (linear position interpolation). Defaults to `1.0`.
+        rope_scaling: dict, keyword only. Hugging Face's `rope_scaling`, as
+            keras-hub computes it: `{"rope_type": "linear", "factor": f}` (as
+            `rope_scaling_factor=f`), `{"rope_type": "dynamic", "factor": f}`
+            (static NTK-aware scaling), `{"rope_type": "yarn", "factor": f,
+            "original_max_position_embeddings": n}` (and optionally
+            `beta_fast`, `beta_slow`, `truncate`) or `{"rope_type": "llama3",
+            "factor": f, "low_freq_factor": l, "high_freq_factor": h,
+            "original_max_position_embeddings": n}`; see
+            `keras_attn.ops.rotary_embedding`. Needs `rope_max_wavelength`;
+            not with `rope_scaling_factor`. Saved with its defaults filled
+            in. Defaults to `None`.
         normalize_qk: bool, keyword only. RMS-normalize queries and keys per
             head (sublayers `query_norm`, `key_norm`, Keras'
             `RMSNormalization`) before the rotation and the dot product, as in
@@ -140,6 +151,10 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         logit_soft_cap: float, keyword only. Soft-cap the scaled logits to
             `cap * tanh(logits / cap)` before the softmax (Gemma 2); it runs on
             the explicit path. Defaults to `None`.
+        attention_scale: float > 0, keyword only. The multiplier of the
+            query-key logits, on every path (Gemma scales by `(query width /
+            num_heads) ** -0.5` where its heads are wider). Defaults to
+            `None`: `1 / sqrt(key_dim)`.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -360,6 +375,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             return_scores=return_attention_scores,
             heads_major=cache is not None,
             logit_soft_cap=self.logit_soft_cap,
+            scale=self.attention_scale,
         )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
         return self._outputs(call, context, scores, cache)
@@ -417,8 +433,12 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         if norm is not None:
             x = call_sublayer(norm, x)
         if positions is not None:
-            x = attn_ops.rotary_embedding(
-                x, positions, self.rope_max_wavelength, self.rope_scaling_factor
+            x = rotate(
+                x,
+                positions,
+                self.rope_max_wavelength,
+                self.rope_scaling_factor,
+                self.rope_scaling,
             )
         return x
 

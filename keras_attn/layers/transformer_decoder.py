@@ -25,7 +25,11 @@ class TransformerDecoder(TransformerBlock):
     `cross_attention` and `cross_attention_layer_norm`, then
     `feedforward_intermediate_dense`, (`feedforward_gate_dense` with
     `gated_feedforward`), `feedforward_output_dense`, `feedforward_layer_norm`.
-    The norms are `RMSNormalization`s with `normalization="rms_norm"`; each
+    With `normalize_sublayer_outputs`, the norms of the sublayers' outputs
+    follow their own: `self_attention_output_norm` after
+    `self_attention_layer_norm`, `cross_attention_output_norm` after
+    `cross_attention_layer_norm`, and `feedforward_output_norm` last. The
+    norms are `RMSNormalization`s with `normalization="rms_norm"`; each
     attention has `query_norm` and `key_norm` with `normalize_qk`.
 
     Args:
@@ -104,15 +108,21 @@ class TransformerDecoder(TransformerBlock):
 
     def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
         self._check_width("decoder_sequence", decoder_sequence_shape)
-        self.self_attention, self.self_attention_layer_norm = self._build_attention(
+        (
+            self.self_attention,
+            self.self_attention_layer_norm,
+            self.self_attention_output_norm,
+        ) = self._build_attention(
             "self_attention", decoder_sequence_shape, window=self.sliding_window
         )
         self._has_cross_attention = encoder_sequence_shape is not None
         if self._has_cross_attention:
-            self.cross_attention, self.cross_attention_layer_norm = (
-                self._build_attention(
-                    "cross_attention", decoder_sequence_shape, encoder_sequence_shape
-                )
+            (
+                self.cross_attention,
+                self.cross_attention_layer_norm,
+                self.cross_attention_output_norm,
+            ) = self._build_attention(
+                "cross_attention", decoder_sequence_shape, encoder_sequence_shape
             )
         self._build_feedforward(decoder_sequence_shape, norm_first=False)
         self.built = True
@@ -153,7 +163,7 @@ class TransformerDecoder(TransformerBlock):
         x, self_scores, self_attention_cache = self._attention_residual(
             decoder_sequence,
             self.self_attention,
-            self.self_attention_layer_norm,
+            (self.self_attention_layer_norm, self.self_attention_output_norm),
             training,
             return_attention_scores,
             value_mask=to_bool(args.decoder_padding),
@@ -186,7 +196,7 @@ class TransformerDecoder(TransformerBlock):
         return self._attention_residual(
             x,
             self.cross_attention,
-            self.cross_attention_layer_norm,
+            (self.cross_attention_layer_norm, self.cross_attention_output_norm),
             args.training,
             args.return_attention_scores,
             value=None if precomputed else args.encoder_sequence,

@@ -24,9 +24,12 @@ class TransformerEncoder(TransformerBlock):
     Sublayers: `self_attention` (`keras_attn.MultiHeadAttention`),
     `self_attention_layer_norm`, `feedforward_layer_norm`,
     `feedforward_intermediate_dense`, (`feedforward_gate_dense` with
-    `gated_feedforward`), `feedforward_output_dense`. The norms are
-    `RMSNormalization`s with `normalization="rms_norm"`; the attention has
-    `query_norm` and `key_norm` with `normalize_qk`.
+    `gated_feedforward`), `feedforward_output_dense`, then with
+    `normalize_sublayer_outputs` the norms of the sublayers' outputs,
+    `self_attention_output_norm` (after `self_attention_layer_norm`) and
+    `feedforward_output_norm` (last). The norms are `RMSNormalization`s with
+    `normalization="rms_norm"`; the attention has `query_norm` and
+    `key_norm` with `normalize_qk`.
 
     Args:
         {block_arguments}
@@ -63,7 +66,11 @@ class TransformerEncoder(TransformerBlock):
 
     def build(self, inputs_shape):
         self._check_width("inputs", inputs_shape)
-        self.self_attention, self.self_attention_layer_norm = self._build_attention(
+        (
+            self.self_attention,
+            self.self_attention_layer_norm,
+            self.self_attention_output_norm,
+        ) = self._build_attention(
             "self_attention", inputs_shape, window=self.sliding_window
         )
         self._build_feedforward(inputs_shape, norm_first=True)
@@ -92,7 +99,7 @@ class TransformerEncoder(TransformerBlock):
         x, scores, _ = self._attention_residual(
             inputs,
             self.self_attention,
-            self.self_attention_layer_norm,
+            (self.self_attention_layer_norm, self.self_attention_output_norm),
             training,
             return_attention_scores,
             value_mask=padding_mask,

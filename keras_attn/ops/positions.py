@@ -4,12 +4,40 @@ Angles are computed in float32 from inverse frequencies rounded once from
 float64 (Python floats), so every backend evaluates the same numbers.
 """
 
+import math
+
 from keras import ops
 
-from keras_attn._checks import check_positive_float, check_positive_int, check_size
+from keras_attn._checks import (
+    check_bool,
+    check_positive_float,
+    check_positive_int,
+    check_size,
+)
 from keras_attn.ops.dtypes import at_least_float32
 
 __all__ = ["rotary_embedding", "sinusoidal_position_encoding"]
+
+# The keys of a rotary `scaling` dict by its `rope_type` (Hugging Face's
+# `rope_scaling` names) and their defaults (keras-hub's `RotaryEmbedding`'s);
+# `None`: required.
+ROPE_SCALING_KEYS = {
+    "linear": {"factor": None},
+    "dynamic": {"factor": None},
+    "yarn": {
+        "factor": None,
+        "original_max_position_embeddings": None,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+    },
+    "llama3": {
+        "factor": None,
+        "low_freq_factor": None,
+        "high_freq_factor": None,
+        "original_max_position_embeddings": None,
+    },
+}
 
 
 def sinusoidal_position_encoding(
@@ -67,16 +95,40 @@ def sinusoids(length, dim, max_wavelength=10000.0, start_index=0, dtype="float32
     return ops.cast(ops.where(even, ops.sin(angles), ops.cos(angles)), dtype)
 
 
-def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
+def rotary_embedding(
+    x, positions, max_wavelength=10000.0, scaling_factor=1.0, scaling=None
+):
     """Rotary position embedding (Su et al. 2021), LLaMA's "rotate half" form.
 
     Channel `i` of the first half and channel `i` of the second half of each
     head form a pair, rotated by the angle `position / scaling_factor *
     max_wavelength**(-2i / D)`: `x1 cos - x2 sin`, `x2 cos + x1 sin`. This is
     the convention of LLaMA and keras-hub's `RotaryEmbedding`. The inverse
-    frequencies are rounded once from float64 and the angles are computed in
-    float32 (as `sinusoidal_position_encoding` does), so every backend rotates
-    by the same float32 angles; the result has the dtype of `x`.
+    frequencies (and YaRN's attention factor) are computed in float64 and
+    rounded once, and the angles are computed in float32 (as
+    `sinusoidal_position_encoding` does), so every backend rotates by the
+    same float32 angles; the result has the dtype of `x`.
+
+    `scaling` takes Hugging Face's `rope_scaling` dicts, computed as
+    keras-hub computes them:
+
+    - `{"rope_type": "linear", "factor": f}`: positions divided by `f` (as
+      `scaling_factor=f`).
+    - `{"rope_type": "dynamic", "factor": f}`: NTK-aware scaling as
+      keras-hub's `RotaryEmbedding(rope_type="dynamic")`, inverse frequencies
+      divided by `f**(D / (D - 2))`. Static: unlike Hugging Face's dynamic
+      NTK, it does not change with the sequence length.
+    - `{"rope_type": "yarn", "factor": f, "original_max_position_embeddings":
+      n, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}` (the last
+      three optional, with these defaults): YaRN (Peng et al. 2023) as
+      keras-hub's `RotaryEmbedding(rope_type="yarn")`, the frequencies
+      ramped between interpolated and original over the channels between the
+      corrections of `beta_fast` and `beta_slow` rotations, and cos and sin
+      multiplied by `0.1 * ln(f) + 1`.
+    - `{"rope_type": "llama3", "factor": f, "low_freq_factor": l,
+      "high_freq_factor": h, "original_max_position_embeddings": n}`: Llama
+      3.1's adjustment as keras-hub's `LlamaRotaryEmbedding`: wavelengths
+      over `n / l` divided by `f`, under `n / h` kept, smoothly between.
 
     Args:
         x: float tensor `(B, T, H, D)` with an even `D`.
@@ -87,6 +139,8 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
         scaling_factor: float > 0. Positions are divided by it (linear
             position interpolation, for contexts longer than trained on).
             Defaults to `1.0`.
+        scaling: optional dict, one of the above (not with a
+            `scaling_factor` other than `1.0`). Defaults to `None`.
 
     Returns:
         Tensor of the shape and dtype of `x`.
@@ -98,13 +152,26 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     (1, 3, 2, 4)
     >>> bool(np.allclose(keras.ops.convert_to_numpy(y)[0, 0], 1.0))  # position 0
     True
+    >>> yarn = {"rope_type": "yarn", "factor": 4.0,
+    ...         "original_max_position_embeddings": 64}
+    >>> y = keras_attn.ops.rotary_embedding(x, np.arange(3), scaling=yarn)
+    >>> round(float(keras.ops.convert_to_numpy(y)[0, 0, 0, 0]), 4)  # 0.1 ln 4 + 1
+    1.1386
     """
     positions = ops.cast(ops.convert_to_tensor(positions), "float32")
     _check_rotary(x, positions, max_wavelength, scaling_factor)
-    dim = x.shape[-1]
-    inverse_frequency = inverse_frequencies(
-        max_wavelength, [i / dim for i in range(0, dim, 2)], scaling_factor
+    scaling = check_rope_scaling(scaling, "scaling", scaling_factor, "scaling_factor")
+    return rotate(x, positions, max_wavelength, scaling_factor, scaling)
+
+
+def rotate(x, positions, max_wavelength, scaling_factor=1.0, scaling=None):
+    """`rotary_embedding` without its checks, for callers that checked its
+    arguments (`MultiHeadAttention`: its options when created, its positions
+    per call); `scaling` as `check_rope_scaling` returns it."""
+    inverse_frequency, attention_factor = rotary_frequencies(
+        max_wavelength, x.shape[-1], scaling_factor, scaling
     )  # (D/2,)
+    positions = ops.cast(ops.convert_to_tensor(positions), "float32")
     if len(positions.shape) == 1:
         positions = ops.expand_dims(positions, 0)  # (1, T)
     angles = ops.expand_dims(positions, -1) * inverse_frequency  # (B|1, T, D/2)
@@ -114,6 +181,8 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     rotated = ops.concatenate([-x2, x1], axis=-1)
     wide = at_least_float32(x.dtype)
     cos, sin = ops.cast(cos, wide), ops.cast(sin, wide)
+    if attention_factor != 1.0:  # YaRN's, rounded once like the frequencies
+        cos, sin = cos * attention_factor, sin * attention_factor
     output = ops.cast(x, wide) * cos + ops.cast(rotated, wide) * sin
     return ops.cast(output, x.dtype)
 
@@ -129,6 +198,149 @@ def inverse_frequencies(max_wavelength, exponents, scaling_factor=1.0):
     base, scaling_factor = float(max_wavelength), float(scaling_factor)
     values = [base**-exponent / scaling_factor for exponent in exponents]
     return ops.convert_to_tensor(values, dtype="float32")
+
+
+def rotary_frequencies(max_wavelength, dim, scaling_factor=1.0, scaling=None):
+    """`(inverse frequencies, attention factor)` of a rotation of `dim`
+    channels: a float32 tensor `(dim / 2,)` and a Python float (the factor
+    of cos and sin: YaRN's, else `1.0`), both computed in float64 (Python
+    floats, as `inverse_frequencies` says why) and rounded once.
+
+    `scaling`: a dict checked by `check_rope_scaling`, or `None` for linear
+    scaling by `scaling_factor`.
+    """
+    base = float(max_wavelength)
+    values = [base ** -(i / dim) for i in range(0, dim, 2)]
+    if scaling is None:
+        values, factor = [v / float(scaling_factor) for v in values], 1.0
+    else:
+        values, factor = _SCALED[scaling["rope_type"]](values, base, dim, scaling)
+    return ops.convert_to_tensor(values, dtype="float32"), factor
+
+
+def _linear(values, base, dim, scaling):
+    return [v / scaling["factor"] for v in values], 1.0
+
+
+def _dynamic(values, base, dim, scaling):
+    """keras-hub's static NTK-aware scaling: `f**(D / (D - 2))` (the
+    exponent's denominator at least 1)."""
+    divisor = scaling["factor"] ** (dim / max(1, dim - 2))
+    return [v / divisor for v in values], 1.0
+
+
+def _yarn(values, base, dim, scaling):
+    """YaRN as keras-hub's `RotaryEmbedding`: channel pair `i` takes
+    `ramp * v / f + (1 - ramp) * v`, the ramp rising from 0 to 1 between the
+    channels where `beta_fast` and `beta_slow` rotations fit the original
+    context; cos and sin scaled by `0.1 ln f + 1`."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction(rotations):  # the channel of `rotations` turns in the context
+        return (
+            dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        )
+
+    low, high = correction(scaling["beta_fast"]), correction(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0.0), min(high, dim - 1.0)
+    span = max(high - low, 0.001)  # keras-hub's guard against a zero span
+    ramps = [min(max((i - low) / span, 0.0), 1.0) for i in range(dim // 2)]
+    values = [r * v / factor + (1 - r) * v for v, r in zip(values, ramps, strict=True)]
+    return values, 0.1 * math.log(factor) + 1.0
+
+
+def _llama3(values, base, dim, scaling):
+    """Llama 3.1's adjustment as keras-hub's `LlamaRotaryEmbedding`:
+    wavelengths over `n / low_freq_factor` divided by `f`, under
+    `n / high_freq_factor` kept, smoothly interpolated between."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    adjusted = []
+    for v in values:
+        wavelength = 2 * math.pi / v
+        if wavelength > original / low:  # low frequencies: interpolated
+            adjusted.append(v / factor)
+        elif wavelength >= original / high:  # between: smoothly
+            smooth = (original / wavelength - low) / (high - low)
+            adjusted.append((1 - smooth) * v / factor + smooth * v)
+        else:  # high frequencies: kept
+            adjusted.append(v)
+    return adjusted, 1.0
+
+
+_SCALED = {"linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+
+
+def check_rope_scaling(scaling, name, scaling_factor=1.0, factor_name=None):
+    """Raise unless `scaling` is `None` or a rotary scaling dict (the keys
+    `ROPE_SCALING_KEYS` lists for its `rope_type`, positive numbers), and
+    unless a `scaling_factor` other than `1.0` comes without it; return it as
+    a plain dict with its defaults filled in. `name`: the argument's name,
+    `factor_name` that of the linear factor."""
+    if scaling is None:
+        return None
+    if scaling_factor != 1.0:
+        raise ValueError(
+            f"`{name}` and `{factor_name}` both scale rotary positions: pass one. "
+            f"Received: {name}={scaling!r}, {factor_name}={scaling_factor}. For "
+            f"linear scaling alone, {name}={{'rope_type': 'linear', 'factor': f}}."
+        )
+    expected = " or ".join(repr(t) for t in ROPE_SCALING_KEYS)
+    if not isinstance(scaling, dict):
+        raise TypeError(
+            f"`{name}` must be None or a dict with a 'rope_type' ({expected}). "
+            f"Received: {name}={scaling!r} of type {type(scaling).__name__}."
+        )
+    rope_type = scaling.get("rope_type")
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"`{name}['rope_type']` must be {expected}. Received: {name}={scaling!r}."
+        )
+    _check_keys(scaling, name, ROPE_SCALING_KEYS[rope_type])
+    return _checked_values(
+        {"rope_type": rope_type, **ROPE_SCALING_KEYS[rope_type], **scaling}, name
+    )
+
+
+def _check_keys(scaling, name, keys):
+    """Raise unless `scaling` has every key its `rope_type` requires (the
+    `None`s of `keys`), and no key `keys` lacks."""
+    required = [key for key, default in keys.items() if default is None]
+    unknown = [key for key in scaling if key != "rope_type" and key not in keys]
+    missing = [key for key in required if key not in scaling]
+    if not (unknown or missing):
+        return
+    found = {"unknown keys": unknown, "missing keys": missing}
+    found = " and ".join(f"{what} {names}" for what, names in found.items() if names)
+    optional = [key for key in keys if key not in required]
+    optional = f", optionally {optional}" if optional else ""
+    raise ValueError(
+        f"`{name}` of rope_type {scaling['rope_type']!r} takes the keys "
+        f"{['rope_type', *required]}{optional}. Received: {name}={scaling!r}, "
+        f"with {found}."
+    )
+
+
+def _checked_values(scaling, name):
+    """`scaling` with each value checked and of its Python type."""
+    for key, value in scaling.items():
+        given = f"{name}[{key!r}]"
+        if key == "original_max_position_embeddings":
+            scaling[key] = check_positive_int(given, value)
+        elif key == "truncate":
+            scaling[key] = check_bool(given, value)
+        elif key != "rope_type":
+            scaling[key] = check_positive_float(given, value)
+    if scaling["rope_type"] == "llama3" and not (
+        scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    ):
+        raise ValueError(
+            f"`{name}['high_freq_factor']` must exceed `{name}['low_freq_factor']`"
+            f" (it bounds the shorter wavelengths). Received: {name}={scaling!r}."
+        )
+    return scaling
 
 
 def _check_rotary(x, positions, max_wavelength, scaling_factor):

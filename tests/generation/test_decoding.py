@@ -184,7 +184,9 @@ def test_greedy_equals_naive_loop_with_rope_and_a_tied_head(side):
 
 
 def test_rope_generation_crosses_cache_segments():
-    model = llama_model(VOCAB, WIDTH, tied=False)
+    """Gemma 2's shape (a windowed and a global decoder, each sublayer's
+    output normalized) past the first cache segment."""
+    model = llama_model(VOCAB, WIDTH, tied=False, normalize_sublayer_outputs=True)
     prompts = np.array([[3, 4, 5, 6], [7, 8, 9, 10]])
     tokens = generate(model, prompts, max_length=80)
     assert_greedy(to_numpy(model(tokens)), tokens, start=4)

@@ -52,8 +52,9 @@ EXPECTED = {
     "feedforward_output_dense/bias": (None,),
     "embeddings": (None, "model"),
     **{
-        f"{sublayer}_layer_norm/{weight}": (None,)
+        f"{sublayer}_{norm}/{weight}": (None,)
         for sublayer in ("self_attention", "cross_attention", "feedforward")
+        for norm in ("layer_norm", "output_norm")
         for weight in ("gamma", "beta", "scale")
     },
     "query_norm/scale": (None,),
@@ -167,13 +168,15 @@ def test_every_keras_attn_weight_matches_exactly_one_rule():
 
 
 def modern_decoder(use_bias=True):
-    """A cross-attending decoder with RMS norms, a gated network, QK-norms."""
+    """A cross-attending decoder with RMS norms, a gated network, QK-norms and
+    sublayer output norms."""
     decoder = keras_attn.TransformerDecoder(
         INTERMEDIATE,
         HEADS,
         normalization="rms_norm",
         gated_feedforward=True,
         normalize_qk=True,
+        normalize_sublayer_outputs=True,
         use_bias=use_bias,
         name="decoder",
     )
@@ -184,6 +187,11 @@ def modern_decoder(use_bias=True):
 def test_every_rule_matches_one_kind_of_weights():
     weights = keras_attn_weights(encoder_decoder(use_gate=True))
     weights += modern_decoder().weights
+    output_norms = keras_attn.TransformerDecoder(
+        INTERMEDIATE, HEADS, normalize_sublayer_outputs=True, name="output_norms"
+    )  # layer norms: gamma and beta
+    output_norms(np.zeros((1, 3, WIDTH)), np.zeros((1, 4, WIDTH)))
+    weights += output_norms.weights
     layout_map = get_layout_map(fake_mesh(4))
     for key in layout_map:
         ends = {
@@ -203,7 +211,8 @@ def test_rules_match_whatever_the_layers_are_called():
 
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_rules_for_the_options_of_modern_families(use_bias):
-    """RMS norms, a gated feed-forward network and QK-norms (LLaMA, Gemma 3)."""
+    """RMS norms, a gated feed-forward network, QK-norms and output norms
+    (LLaMA, Gemma 2 and 3)."""
     layout_map = get_layout_map(fake_mesh(4))
     for weight in modern_decoder(use_bias).weights:
         matches = [key for key in layout_map if re.fullmatch(key, weight.path)]

@@ -1,6 +1,7 @@
 """Today's families from the same blocks: parity with keras-hub's Llama,
-Mistral and Gemma decoder blocks (weights copied across), and the properties
-of rotary positions, sliding windows and the LLaMA-style block."""
+Mistral and Gemma (1 and 2) decoder blocks (weights copied across), and the
+properties of rotary positions, sliding windows, the sublayers' output norms
+and the LLaMA-style block."""
 
 import functools
 
@@ -120,6 +121,11 @@ GEMMA_NAMES = {
     "feedforward_output_dense/kernel": "ffw_linear/kernel",
     "feedforward_layer_norm/scale": "pre_ffw_norm/scale",
 }
+GEMMA_2_NAMES = {
+    **GEMMA_NAMES,
+    "self_attention_output_norm/scale": "post_attention_norm/scale",
+    "feedforward_output_norm/scale": "post_ffw_norm/scale",
+}
 
 
 def from_gemma(name, value):
@@ -132,12 +138,19 @@ def from_gemma(name, value):
 
 
 # A cap of 0.5 changes these outputs by ~5: the test sees whether it is applied.
-@pytest.mark.parametrize("soft_cap", [None, 0.5], ids=["gemma", "soft-capped"])
-def test_gemma_block_same_numbers_as_keras_hub(soft_cap):
+@pytest.mark.parametrize(
+    "soft_cap, post_norms",
+    [(None, False), (0.5, False), (0.5, True)],
+    ids=["gemma", "soft-capped", "gemma-2"],
+)
+def test_gemma_block_same_numbers_as_keras_hub(soft_cap, post_norms):
     """Gemma's block with GeGLU (tanh-approximated GELU, as Gemma), RMSNorm
-    and RoPE; with `logit_soft_cap`, Gemma 2's soft-capping. Gemma's RoPE
-    interleaves the rotated halves of both queries and keys: the same
-    permutation of both leaves every score unchanged."""
+    and RoPE; with `logit_soft_cap`, Gemma 2's soft-capping, and with
+    `post_norms` Gemma 2's post-attention and post-feed-forward norms
+    (`normalize_sublayer_outputs`). Gemma's RoPE interleaves the rotated
+    halves of both queries and keys: the same permutation of both leaves
+    every score unchanged. Every norm gets random scales, so that a norm in
+    another's place cannot pass."""
     module = hub_module("gemma.gemma_decoder_block")
     head_dim = 8
     theirs = module.GemmaDecoderBlock(
@@ -147,6 +160,8 @@ def test_gemma_block_same_numbers_as_keras_hub(soft_cap):
         num_query_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         logit_soft_cap=soft_cap,
+        use_post_attention_norm=post_norms,
+        use_post_ffw_norm=post_norms,
         layer_norm_epsilon=1e-6,
     )
     gelu_tanh = functools.partial(keras.activations.gelu, approximate=True)
@@ -154,11 +169,18 @@ def test_gemma_block_same_numbers_as_keras_hub(soft_cap):
         **{**LLAMA, "layer_norm_epsilon": 1e-6, "activation": gelu_tanh},
         key_dim=head_dim,
         logit_soft_cap=soft_cap,
+        normalize_sublayer_outputs=post_norms,
     )
     x, padding = padded_batch()
     theirs(x)
     ours(x)
-    copy_by_name(ours, theirs, GEMMA_NAMES, from_gemma)
+    norm_scales = [w for w in theirs.weights if w.path.endswith("norm/scale")]
+    assert len(norm_scales) == (4 if post_norms else 2)
+    for seed, scale in enumerate(norm_scales):
+        scale.assign(random_floats(*scale.shape, seed=10 + seed, scale=0.5))
+    names = GEMMA_2_NAMES if post_norms else GEMMA_NAMES
+    assert len(ours.weights) == len(names)  # every weight of ours copied
+    copy_by_name(ours, theirs, names, from_gemma)
     expected = to_numpy(theirs(x, padding_mask=padding))
     actual = to_numpy(ours(x, decoder_padding_mask=padding))
     np.testing.assert_allclose(actual, expected, **PARITY)
@@ -239,6 +261,7 @@ def test_cached_decoding_with_rope_and_window_equals_the_full_pass():
 
 
 MODERN = dict(normalize_qk=True, logit_soft_cap=30.0, rope_scaling_factor=2.0)
+OUTPUT_NORMS = {"normalize_sublayer_outputs": True}  # a block option
 
 
 @pytest.mark.parametrize(
@@ -251,12 +274,12 @@ MODERN = dict(normalize_qk=True, logit_soft_cap=30.0, rope_scaling_factor=2.0)
         ),
         (
             TransformerDecoder,
-            {**LLAMA, "sliding_window": 3},
+            {**LLAMA, "sliding_window": 3, **OUTPUT_NORMS},
             {"decoder_sequence": random_floats(2, 5, WIDTH)},
         ),
         (
             TransformerEncoder,
-            {**LLAMA, "normalization": "layer_norm"},  # no offsets
+            {**LLAMA, "normalization": "layer_norm", **OUTPUT_NORMS},  # no offsets
             {"inputs": random_floats(2, 5, WIDTH)},
         ),
     ],
@@ -265,8 +288,9 @@ MODERN = dict(normalize_qk=True, logit_soft_cap=30.0, rope_scaling_factor=2.0)
 def test_layer_contract_with_every_new_option(tmp_path, layer_cls, kwargs, inputs):
     """Config, `.keras` round trip, spec, jit and mixed precision with RoPE,
     QK-norm, soft-capping (and in the blocks RMSNorm, the gated network, no
-    biases, a window); quantize, LoRA and dtype policy maps on the LLaMA
-    block, which has every sublayer kind the others have."""
+    biases, a window, the sublayers' output norms); quantize, LoRA and dtype
+    policy maps on the LLaMA block, which has every sublayer kind the others
+    have."""
     run_layer_contract(
         layer_cls,
         {**kwargs, **MODERN},
@@ -274,4 +298,77 @@ def test_layer_contract_with_every_new_option(tmp_path, layer_cls, kwargs, input
         expected_output_shape=(2, 5, WIDTH),
         tmp_path=tmp_path,
         machinery=layer_cls is TransformerDecoder,
+        quantization_modes=("int8",),  # every mode: the encoder's contract
     )
+
+
+def randomize(*norms):
+    """Random weights in `norms` (scales, and offsets where they have them),
+    so that no two are alike."""
+    for i, norm in enumerate(norms):
+        for j, weight in enumerate(norm.weights):
+            weight.assign(random_floats(*weight.shape, seed=2 * i + j))
+
+
+def test_post_norm_normalizes_each_sublayer_output_then_the_sum():
+    """Post-norm with `normalize_sublayer_outputs`: each step is
+    `Norm(x + Norm_out(F(x)))`, written out here with the decoder's own
+    sublayers (self-attention, cross-attention, the gated feed-forward); a
+    build then a call creates no weight. (The LLaMA sizes, whose operations
+    the tests above have JAX compile: this one takes no compilation of its
+    own.)"""
+    options = {"normalize_first": False, "normalize_sublayer_outputs": True}
+    block = TransformerDecoder(**{**LLAMA, **options})
+    (x, _), memory = padded_batch(), random_floats(3, 7, WIDTH, seed=1)
+    block.build(x.shape, memory.shape)
+    paths = [w.path for w in block.weights]
+    output_norms = [
+        block.self_attention_output_norm,
+        block.cross_attention_output_norm,
+        block.feedforward_output_norm,
+    ]
+    assert [norm.name for norm in output_norms] == [
+        "self_attention_output_norm",
+        "cross_attention_output_norm",
+        "feedforward_output_norm",
+    ]
+    randomize(*output_norms, block.self_attention_layer_norm)
+    actual = to_numpy(block(x, memory))
+    assert [w.path for w in block.weights] == paths
+
+    def step(norm, output_norm, x, branch):
+        return norm(x + output_norm(branch))
+
+    x = keras.ops.convert_to_tensor(x)
+    h = step(
+        block.self_attention_layer_norm,
+        block.self_attention_output_norm,
+        x,
+        block.self_attention(x, use_causal_mask=True),
+    )
+    h = step(
+        block.cross_attention_layer_norm,
+        block.cross_attention_output_norm,
+        h,
+        block.cross_attention(h, memory),
+    )
+    gate = keras.activations.silu(block.feedforward_gate_dense(h))
+    hidden = gate * block.feedforward_intermediate_dense(h)
+    expected = step(
+        block.feedforward_layer_norm,
+        block.feedforward_output_norm,
+        h,
+        block.feedforward_output_dense(hidden),
+    )
+    np.testing.assert_allclose(actual, to_numpy(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize("layer_cls", [TransformerEncoder, TransformerDecoder])
+def test_normalize_sublayer_outputs_must_be_a_bool(layer_cls):
+    with pytest.raises(
+        TypeError,
+        match=r"`normalize_sublayer_outputs` must be a bool.*"
+        r"normalize_sublayer_outputs='yes' of type str",
+    ):
+        layer_cls(HIDDEN, HEADS, normalize_sublayer_outputs="yes")
+    assert not layer_cls(HIDDEN, HEADS).normalize_sublayer_outputs

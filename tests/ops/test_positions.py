@@ -1,11 +1,14 @@
 """`keras_attn.ops.positions`: the sinusoid and rotary embeddings, against
-their float64 formulas."""
+their float64 formulas, and rotary scalings against keras-hub's layers."""
+
+import json
 
 import keras
 import numpy as np
 import pytest
 
 from keras_attn import ops as attn_ops
+from keras_attn.ops.positions import check_rope_scaling, rotary_frequencies
 from tests.helpers.backend import to_numpy
 from tests.helpers.builders import random_floats
 from tests.helpers.references import EPS32, reference_encoding, rotary_reference
@@ -112,3 +115,151 @@ def test_rotary_embedding_keeps_norms_and_half_precision():
 def test_rotary_embedding_bad_arguments(x, positions, kwargs, match):
     with pytest.raises(ValueError, match=match):
         attn_ops.rotary_embedding(x, positions, **kwargs)
+
+
+# Hugging Face's `rope_scaling` dicts, each with the keras-hub layer (and its
+# arguments) that computes it. An original context of 64 positions puts
+# channels of a head of 16 in each YaRN regime and each Llama 3.1 band.
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+KERAS_HUB_SCALINGS = {
+    "linear": (
+        {"rope_type": "linear", "factor": 4.0},
+        "RotaryEmbedding",
+        {"scaling_factor": 4.0},
+    ),
+    "dynamic": (
+        {"rope_type": "dynamic", "factor": 4.0},
+        "RotaryEmbedding",
+        {"scaling_factor": 4.0, "rope_type": "dynamic"},
+    ),
+    "yarn": (
+        YARN,
+        "RotaryEmbedding",
+        {
+            "scaling_factor": 8.0,
+            "rope_type": "yarn",
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "yarn-untruncated": (
+        {**YARN, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+        "RotaryEmbedding",
+        {
+            "scaling_factor": 8.0,
+            "rope_type": "yarn",
+            "original_max_position_embeddings": 64,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+        },
+    ),
+    "llama3": (
+        LLAMA3,
+        "LlamaRotaryEmbedding",
+        {
+            "frequency_adjustment_factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "pretraining_sequence_length": 64,
+        },
+    ),
+}
+
+
+def keras_hub_rotary(name, **kwargs):
+    pytest.importorskip("keras_hub")
+    if name == "LlamaRotaryEmbedding":
+        from keras_hub.src.models.llama.llama_rotary_embedding import (
+            LlamaRotaryEmbedding as layer,
+        )
+    else:
+        from keras_hub.layers import RotaryEmbedding as layer
+    return layer(max_wavelength=10000, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(KERAS_HUB_SCALINGS))
+def test_rotary_scaling_matches_keras_hub(case):
+    """Each `rope_type` rotates as keras-hub's layer does, up to position 255
+    (keras-hub rounds its frequencies in float32 several times, ours once:
+    up to 6e-6 apart at position 255, 1.1e-5 at 299)."""
+    scaling, layer, kwargs = KERAS_HUB_SCALINGS[case]
+    x = np.random.default_rng(0).uniform(-1, 1, (2, 256, 3, 16)).astype("float32")
+    positions = np.arange(256)
+    ours = to_numpy(attn_ops.rotary_embedding(x, positions, 1e4, scaling=scaling))
+    theirs = to_numpy(keras_hub_rotary(layer, **kwargs)(x))
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    unscaled = to_numpy(attn_ops.rotary_embedding(x, positions, 1e4))
+    assert np.max(np.abs(unscaled - theirs)) > 0.1  # the scaling is tested
+
+
+@pytest.mark.parametrize("scaling", [YARN, LLAMA3], ids=["yarn", "llama3"])
+def test_yarn_and_llama3_reach_each_regime_here(scaling):
+    """The parity test above covers every regime: channels kept, channels
+    divided by the factor, and channels in between."""
+    plain, _ = rotary_frequencies(1e4, 16)
+    scaled, _ = rotary_frequencies(1e4, 16, scaling=check_rope_scaling(scaling, "s"))
+    ratio = to_numpy(plain) / to_numpy(scaled)
+    kept, divided = np.isclose(ratio, 1.0), np.isclose(ratio, 8.0)
+    assert kept.any() and divided.any() and not (kept | divided).all()
+
+
+def test_linear_scaling_is_the_scaling_factor():
+    x = random_floats(2, 5, 3, 8)
+    linear = {"rope_type": "linear", "factor": 3.0}
+    np.testing.assert_array_equal(
+        to_numpy(attn_ops.rotary_embedding(x, np.arange(5), scaling=linear)),
+        to_numpy(attn_ops.rotary_embedding(x, np.arange(5), scaling_factor=3.0)),
+    )
+
+
+def test_rope_scaling_is_filled_in_as_a_plain_dict():
+    checked = check_rope_scaling({**YARN, "factor": 4}, "rope_scaling")
+    defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+    assert checked == {**YARN, "factor": 4.0, **defaults}
+    assert type(checked["factor"]) is float and json.loads(json.dumps(checked))
+
+
+@pytest.mark.parametrize(
+    "scaling, kwargs, error, match",
+    [
+        ({"rope_type": "ntk", "factor": 2.0}, {}, ValueError,
+         r"`scaling\['rope_type'\]` must be 'linear' or 'dynamic' or 'yarn' or "
+         r"'llama3'. Received: scaling=\{'rope_type': 'ntk'"),
+        ({"factor": 2.0}, {}, ValueError, r"`scaling\['rope_type'\]` must be"),
+        ({"rope_type": "linear"}, {}, ValueError,
+         r"takes the keys \['rope_type', 'factor'\]\. .*missing keys \['factor'\]"),
+        ({"type": "linear", "rope_type": "linear", "factor": 2.0}, {}, ValueError,
+         r"unknown keys \['type'\]"),
+        ({"rope_type": "yarn", "factor": 2.0}, {}, ValueError,
+         r"optionally \['beta_fast', 'beta_slow', 'truncate'\].*"
+         r"missing keys \['original_max_position_embeddings'\]"),
+        ({"rope_type": "dynamic", "factor": 0.0}, {}, ValueError,
+         r"`scaling\['factor'\]` must be positive. Received: scaling\['factor'\]=0.0"),
+        ({**YARN, "original_max_position_embeddings": -4}, {}, ValueError,
+         r"`scaling\['original_max_position_embeddings'\]` must be a positive int"),
+        ({**YARN, "beta_slow": -1.0}, {}, ValueError, r"scaling\['beta_slow'\]=-1.0"),
+        ({**LLAMA3, "high_freq_factor": 1.0}, {}, ValueError,
+         r"`scaling\['high_freq_factor'\]` must exceed"),
+        ({**YARN, "truncate": "yes"}, {}, TypeError,
+         r"`scaling\['truncate'\]` must be a bool"),
+        ("yarn", {}, TypeError, r"`scaling` must be None or a dict"),
+        ({"rope_type": "linear", "factor": 2.0}, {"scaling_factor": 2.0}, ValueError,
+         r"`scaling` and `scaling_factor` both scale.*scaling_factor=2.0"),
+    ],
+    ids=[
+        "unknown-type", "no-type", "missing-factor", "unknown-key", "yarn-missing",
+        "factor-0", "original-negative", "beta-negative", "llama3-bands",
+        "truncate-str", "not-a-dict", "with-scaling-factor",
+    ],
+)  # fmt: skip
+def test_rotary_embedding_bad_scaling(scaling, kwargs, error, match):
+    x = random_floats(1, 3, 2, 4)
+    with pytest.raises(error, match=match):
+        attn_ops.rotary_embedding(x, np.arange(3), scaling=scaling, **kwargs)
