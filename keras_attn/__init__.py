@@ -4,7 +4,7 @@ The same layers, and the same numbers, on TensorFlow, JAX and PyTorch
 (`KERAS_BACKEND=tensorflow|jax|torch`).
 """
 
-from keras_attn import distribution, generation, ops
+from keras_attn import distribution, generation, models, ops
 from keras_attn._version import __version__
 from keras_attn.layers import (
     MultiHeadAttention,
@@ -20,6 +20,7 @@ __all__ = [
     "TransformerEncoder",
     "distribution",
     "generation",
+    "models",
     "ops",
     "__version__",
 ]

@@ -10,7 +10,7 @@ from keras import ops
 
 from keras_attn._checks import checked_upstream
 from keras_attn.generation.graph import is_decoder
-from keras_attn.layers import SinusoidalEmbedding
+from keras_attn.layers import PositionEmbedding, SinusoidalEmbedding
 from keras_attn.layers._kv_cache import caches_written_by
 from keras_attn.layers._lean_call import call_sublayer
 
@@ -118,6 +118,9 @@ class ModelAdapter:
         x = self._embed(token_ids, start)
         caches, decoder = [], 0
         for layer, _ in self.plan.body:
+            if isinstance(layer, PositionEmbedding):
+                x = layer(x, start_index=start)
+                continue
             if not is_decoder(layer):
                 x = layer(x)
                 continue

@@ -191,6 +191,7 @@ def generate(
     length, returned = prompts.decoding_length(
         settings, prompt.shape[1], pads, right_padded
     )
+    prompts.check_positions(length, pads, plan.max_positions)
     if plan.vocabulary_size is not None:
         prompts.check_token_ids(
             prompt,
@@ -304,6 +305,7 @@ class _FunctionPlan:
     """A user's `(prefill, step)` pair in the place of a model's graph."""
 
     vocabulary_size = None
+    max_positions = None
     encoder_indices = ()
     source_specs = ()
 

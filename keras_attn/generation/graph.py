@@ -7,7 +7,11 @@ import warnings
 import keras
 import numpy as np
 
-from keras_attn.layers import SinusoidalEmbedding, TransformerDecoder
+from keras_attn.layers import (
+    PositionEmbedding,
+    SinusoidalEmbedding,
+    TransformerDecoder,
+)
 
 # Layers that act on each position alone, so a head made of them can run on one
 # new token at a time.
@@ -19,6 +23,7 @@ PER_TOKEN_LAYERS = tuple(
         "Dropout",
         "LayerNormalization",
         "RMSNormalization",
+        "Rescaling",
         "Softmax",
     )
     if hasattr(keras.layers, name)
@@ -26,7 +31,8 @@ PER_TOKEN_LAYERS = tuple(
 EMBEDDINGS = (
     "a token embedding read from the token-id input: SinusoidalEmbedding("
     "vocabulary_size=...) (positions included), or keras.layers.Embedding or "
-    "ReversibleEmbedding (positions from the decoders' `rope_max_wavelength`)"
+    "ReversibleEmbedding (positions from the decoders' `rope_max_wavelength`, "
+    "or a PositionEmbedding after it)"
 )
 
 # Decoder call arguments a one-token step cannot be given.
@@ -78,6 +84,9 @@ class GraphPlan:
         if encoder_outputs:
             self._plan_encoder(next(iter(encoder_outputs.values())))
         self.outputs_probabilities = _ends_in_softmax(self.head)
+        # The longest sequence a learned position table holds, if any.
+        tables = [x for x, _ in self.body if isinstance(x, PositionEmbedding)]
+        self.max_positions = min((t.sequence_length for t in tables), default=None)
         self._warned = False
         _check_logits_width(model.outputs[0], self.embedding, self.vocabulary_size)
 
@@ -293,6 +302,8 @@ def _check_per_token(layer, inputs, where):
 
 
 def _check_before_decoders(layer, inputs):
+    if isinstance(layer, PositionEmbedding):  # `generate` passes `start_index`
+        return
     if not _is_per_token(layer, inputs):
         raise ValueError(
             f"`generate` found {layer.name} ({type(layer).__name__}) between "

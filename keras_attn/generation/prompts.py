@@ -88,6 +88,18 @@ def decoding_length(settings, width, pads, right_padded):
     return settings.max_length + extra, settings.max_length
 
 
+def check_positions(length, pads, max_positions):
+    """Raise if a row's sequence (prompt and new tokens) runs past the
+    model's learned position table (`max_positions`; None: no table)."""
+    longest = length - int(pads.min())
+    if max_positions is not None and longest > max_positions:
+        raise ValueError(
+            f"`generate` would run a sequence of {longest} tokens through a "
+            f"model whose PositionEmbedding holds {max_positions} positions. "
+            "Pass a `max_length` (or `max_new_tokens`) that fits."
+        )
+
+
 def to_user_layout(rows, pads, right_padded, length, fill):
     """Right-padded rows back to the user's side: tokens first, `fill` after."""
     if not right_padded:

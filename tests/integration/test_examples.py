@@ -92,6 +92,12 @@ EXAMPLES = {
         r"held-out perplexity: \d+\.\d\d \(2017 baseline: \d+\.\d\d\)",
         ("llama_docstrings.keras",),
     ),
+    "convert_keras_hub": (  # reloads and decodes in a process on JAX
+        "convert_keras_hub.py",
+        ["--steps", 10, "--hidden-dim", 32, "--new-tokens", 4],
+        r"reloaded on \w+: same greedy tokens: yes",
+        ("llama3_lora.keras",),
+    ),
 }
 
 
@@ -103,6 +109,7 @@ RUNS_ON = {
     "vit_digits": "torch",
     "gpt_addition": "tensorflow",
     "llama_docstrings": "torch",
+    "convert_keras_hub": "torch",
 }
 
 
