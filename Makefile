@@ -28,10 +28,12 @@ format: $(BIN)/.installed
 # has WORKERS processes (pytest-xdist), a test file to each (its module
 # fixtures start their subprocesses once), one thread per process: the
 # suite's tensors are tiny, and two cores are better spent on two tests than
-# on one test's thread pools.
+# on one test's thread pools. XLA compiles without LLVM's optimizations: the
+# suite's programs are tiny and compiling them is most of the JAX run's time
+# (two layer-contract files: 63 s -> 46 s).
 WORKERS ?= 2
 THREADS := OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
-	XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
+	XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
 
 test: lint
 	@failed=""; for backend in $(BACKENDS); do \

@@ -42,6 +42,7 @@ def run_layer_contract(
     tmp_path=None,
     mixed_precision=True,
     machinery=True,
+    quantization_modes=tuple(QUANTIZATION_TOLERANCE),
 ):
     """The contract: config round trip, explicit build, eager and symbolic calls,
     `compute_output_shape`/`compute_output_spec`, `.keras` save/load,
@@ -60,6 +61,8 @@ def run_layer_contract(
         mixed_precision: whether to check the mixed policies too.
         machinery: whether to check quantize, LoRA and policy maps (each
             with a `.keras` round trip).
+        quantization_modes: the `quantize` modes checked (each compiles the
+            quantized kernels anew, seconds on JAX).
     """
     call_kwargs = call_kwargs or {}
     check_config_round_trip(layer_cls, init_kwargs)
@@ -92,7 +95,7 @@ def run_layer_contract(
         for policy in ("mixed_float16", "mixed_bfloat16"):
             check_mixed_precision(layer_cls, init_kwargs, inputs, call_kwargs, policy)
     if machinery and tmp_path is not None and _quantizable_sublayers(layer):
-        for mode in QUANTIZATION_TOLERANCE:
+        for mode in quantization_modes:
             check_quantization(
                 layer_cls, init_kwargs, inputs, call_kwargs, mode, tmp_path
             )

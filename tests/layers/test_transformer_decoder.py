@@ -27,8 +27,11 @@ def test_layer_contract_encoder_decoder(tmp_path, normalize_first):
         expected_output_shape=(B, T, WIDTH),
         tmp_path=tmp_path,
         # Quantization, LoRA and policy maps act on the sublayers, which are
-        # the same in either order: checked once, post-norm.
+        # the same in either order: checked once, post-norm. Each quantization
+        # mode on every sublayer kind (EinsumDense, Dense): the encoder's
+        # contract.
         machinery=not normalize_first,
+        quantization_modes=("int8",),
     )
 
 
@@ -39,6 +42,9 @@ def test_layer_contract_decoder_only(tmp_path):
         {"decoder_sequence": random_floats(B, T, WIDTH)},
         expected_output_shape=(B, T, WIDTH),
         tmp_path=tmp_path,
+        # The same sublayers as the encoder-decoder case's; grouped key/value
+        # heads quantize in the LLaMA decoder's contract.
+        machinery=False,
     )
 
 
