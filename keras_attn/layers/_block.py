@@ -60,6 +60,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         normalization="layer_norm",
         gated_feedforward=False,
         normalize_sublayer_outputs=False,
+        qk_norm_epsilon=None,
         **kwargs,
     ):
         num_heads = check_positive_int("num_heads", num_heads)
@@ -87,6 +88,9 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         self.gated_feedforward = check_bool("gated_feedforward", gated_feedforward)
         self.normalize_sublayer_outputs = check_bool(
             "normalize_sublayer_outputs", normalize_sublayer_outputs
+        )
+        self.qk_norm_epsilon = check_positive_float(
+            "qk_norm_epsilon", qk_norm_epsilon, allow_none=True
         )
         options.apply(self)
         self.supports_masking = True
@@ -127,7 +131,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             dropout=self.dropout,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
-            qk_norm_epsilon=self.layer_norm_epsilon,
+            qk_norm_epsilon=self.qk_norm_epsilon or self.layer_norm_epsilon,
             dtype=self.dtype_policy,
             name=name,
             **options,
@@ -311,6 +315,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 "normalization": self.normalization,
                 "gated_feedforward": self.gated_feedforward,
                 "normalize_sublayer_outputs": self.normalize_sublayer_outputs,
+                "qk_norm_epsilon": self.qk_norm_epsilon,
                 **AttentionOptions.config_of(self),
                 "dtype": dtype_config(self),
             }

@@ -46,8 +46,10 @@ use_bias: bool, keyword only. `False` drops every bias: the
     projections', the feed-forward matrices' and the layer norms'
     offsets (as LLaMA). Defaults to `True`.
 normalize_qk: bool, keyword only. RMS-normalize queries and keys per
-    head before the dot product (Gemma 3), with
-    `layer_norm_epsilon`. Defaults to `False`.
+    head before the dot product (Gemma 3, Qwen3), with `qk_norm_epsilon`.
+    Defaults to `False`.
+qk_norm_epsilon: float > 0, keyword only. Epsilon of the QK-norms.
+    Defaults to `None`: `layer_norm_epsilon`.
 logit_soft_cap: float, keyword only. Soft-cap the attention logits to
     `cap * tanh(logits / cap)` (Gemma 2). Defaults to `None`.
 rope_max_wavelength: float, keyword only. Rotary position embeddings

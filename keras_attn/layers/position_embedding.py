@@ -40,8 +40,9 @@ class PositionEmbedding(ConfigCheck, keras.layers.Layer):
             token is at position 0, in `generate`) take row 0 of the table.
 
     A call whose positions run past the table raises a `ValueError` where the
-    start is known (an int, or an eager tensor); inside compiled graphs it is
-    not checked (`generate` checks its `max_length` against the table).
+    length and start are known (an int, or an eager tensor); inside compiled
+    graphs it is not checked (`generate` checks its `max_length` against the
+    table), and the backend's gather decides, as for token ids out of range.
 
     Example:
     >>> layer = keras_attn.models.PositionEmbedding(sequence_length=8)
@@ -74,7 +75,7 @@ class PositionEmbedding(ConfigCheck, keras.layers.Layer):
             positions = start[:, None] + positions[None, :]  # (B, T)
         else:
             positions = positions + start
-        positions = ops.clip(positions, 0, self.sequence_length - 1)
+        positions = ops.maximum(positions, 0)
         table = ops.cast(self.embeddings, inputs.dtype)
         return inputs + ops.take(table, positions, axis=0)
 
@@ -82,7 +83,13 @@ class PositionEmbedding(ConfigCheck, keras.layers.Layer):
         check_rank("inputs", inputs.shape, 3, "(batch, length, width)")
         check_float("inputs", inputs)
         check_size("start_index", start_index, ranks=(0, 1), minimum=None)
-        start, length = concrete_value(start_index), inputs.shape[1]
+        length = inputs.shape[1]
+        if isinstance(length, int) and length > self.sequence_length:
+            raise ValueError(
+                f"`PositionEmbedding` holds {self.sequence_length} positions; "
+                f"the inputs have {length}."
+            )
+        start = concrete_value(start_index)
         if start is None or not isinstance(length, int):  # traced: unchecked
             return
         last = int(np.max(start)) + length - 1

@@ -71,7 +71,9 @@ def from_keras_hub(model):
     configuration is read from the keras-hub object, the weights are copied
     (every one of them, each once), and the model has the keras-hub model's
     dtype policy. Preprocessing (the tokenizer) stays keras-hub's; the model
-    takes no padding mask: `generate` pads prompts itself.
+    takes no padding mask: `generate` pads prompts itself. Dropout (training
+    only) keeps keras-hub's rate at keras_attn's places in the blocks, which
+    are not keras-hub's.
 
     Families: GPT-2 (`GPT2Backbone`), LLaMA and Llama 3 (`LlamaBackbone`,
     `Llama3Backbone`, with Llama 3.1's frequency adjustment), Mistral
@@ -113,6 +115,12 @@ def _backbone(model):
         for layer in getattr(backbone, "_flatten_layers", lambda: [])()
         if getattr(layer, "quantization_mode", None)
     ]
+    if isinstance(backbone.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+        raise ValueError(
+            "`from_keras_hub` converts a model of one dtype policy; this one "
+            "has a DTypePolicyMap. Convert the model built with one policy, "
+            "then give the keras_attn model its map."
+        )
     if quantized:
         raise ValueError(
             "`from_keras_hub` converts float weights; these layers are "
@@ -265,14 +273,24 @@ def _mistral(config, backbone):
 
 
 def _qwen3(config, backbone):
-    """Qwen3: LLaMA's block with QK-norm, a head width of its own and a
-    sliding window (as long as the context, by default)."""
+    """Qwen3: LLaMA's block with QK-norm (of its own epsilon) and a head width
+    of its own. No sliding window: keras-hub 0.32 applies
+    `sliding_window_size` only on TensorFlow (its fused JAX and PyTorch path
+    skips it), and Hugging Face's Qwen3 has none unless asked."""
+    attention = backbone.transformer_layers[0]._self_attention_layer
+    window = config["sliding_window_size"]
+    if window and keras.config.backend() == "tensorflow":
+        config.ignored_by_keras_hub(
+            "sliding_window_size",
+            "only its TensorFlow path applies it: sequences longer than "
+            f"{window} tokens differ from keras-hub's on TensorFlow",
+        )
     block = _llama_block(
         config,
         rope_scaling_factor=float(config["rope_scaling_factor"]),
-        sliding_window=config["sliding_window_size"],
         key_dim=config["head_dim"],
         normalize_qk=True,
+        qk_norm_epsilon=attention._query_dense_layer_norm.epsilon,
     )
     config.get("tie_word_embeddings")  # read from the token table below
     return _llama_like(config, backbone, block, QWEN3_BLOCK)
@@ -324,25 +342,9 @@ def _gemma(config, backbone):
     scaled by `sqrt(hidden_dim)`, and Gemma 2's post-sublayer norms, soft-caps
     and sliding windows on every other block."""
     _check_gemma(config, backbone)
-    hidden, heads = config["hidden_dim"], config["num_query_heads"]
+    config.get("layer_norm_epsilon")  # the final norm's: read from that norm
+    block = _gemma_block(config, backbone)
     window = config["sliding_window_size"]
-    block = dict(
-        intermediate_dim=config["intermediate_dim"] // 2,  # each branch's
-        num_heads=heads,
-        num_key_value_heads=config["num_key_value_heads"],
-        key_dim=config["head_dim"],
-        dropout=config["dropout"],
-        activation=gelu_approximate,
-        layer_norm_epsilon=config["layer_norm_epsilon"],
-        normalize_first=True,
-        normalization="rms_norm",
-        gated_feedforward=True,
-        use_bias=False,
-        rope_max_wavelength=_gemma_wavelength(backbone),
-        logit_soft_cap=config["attention_logit_soft_cap"],
-        attention_scale=_gemma_scale(config, backbone),
-        normalize_sublayer_outputs=config["use_post_attention_norm"],
-    )
     windowed = config["use_sliding_window_attention"]
     blocks = tuple(
         {**block, "sliding_window": window if windowed and i % 2 == 0 else None}
@@ -350,10 +352,10 @@ def _gemma(config, backbone):
     )
     spec = DecoderLMSpec(
         vocabulary_size=config["vocabulary_size"],
-        hidden_dim=hidden,
+        hidden_dim=config["hidden_dim"],
         blocks=blocks,
-        layer_norm_epsilon=config["layer_norm_epsilon"],
-        embedding_scale=float(np.sqrt(hidden)),
+        layer_norm_epsilon=backbone.layer_norm.epsilon,
+        embedding_scale=float(np.sqrt(config["hidden_dim"])),
         final_logit_soft_cap=config["final_logit_soft_cap"],
         dtype=_dtype(backbone),
     )
@@ -365,6 +367,30 @@ def _gemma(config, backbone):
     names += _pairs(("token_embedding/embeddings", "token_embedding/embeddings"))
     names += [("final_norm/scale", "final_normalization/scale", _plus_one)]
     return spec, names
+
+
+def _gemma_block(config, backbone):
+    """A Gemma block's arguments. The norms' epsilon is the block's own:
+    keras-hub's `GemmaBackbone` gives `layer_norm_epsilon` to the final norm
+    only."""
+    first = backbone.transformer_layers[0]
+    return dict(
+        intermediate_dim=config["intermediate_dim"] // 2,  # each branch's
+        num_heads=config["num_query_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        key_dim=config["head_dim"],
+        dropout=config["dropout"],
+        activation=gelu_approximate,
+        layer_norm_epsilon=first.pre_attention_norm.epsilon,
+        normalize_first=True,
+        normalization="rms_norm",
+        gated_feedforward=True,
+        use_bias=False,
+        rope_max_wavelength=_gemma_wavelength(backbone),
+        logit_soft_cap=config["attention_logit_soft_cap"],
+        attention_scale=_gemma_scale(config, backbone),
+        normalize_sublayer_outputs=config["use_post_attention_norm"],
+    )
 
 
 def _check_gemma(config, backbone):
@@ -439,6 +465,8 @@ def _pairs(*pairs):
 
 
 def _dtype(backbone):
+    """The backbone's one dtype policy (a `DTypePolicyMap` of several is
+    refused by `_backbone`)."""
     return backbone.dtype_policy.name
 
 

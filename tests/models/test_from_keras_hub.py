@@ -43,13 +43,27 @@ FAMILIES = {
         "GPT2Backbone",
         dict(**SMALL, num_heads=2, intermediate_dim=32, max_sequence_length=24),
     ),
-    "llama3.1": ("Llama3Backbone", dict(**LLAMA_LIKE, **LLAMA_3_1)),
-    "mistral": ("MistralBackbone", dict(**LLAMA_LIKE, sliding_window=3)),
-    "gemma": ("GemmaBackbone", dict(**GEMMA, intermediate_dim=48)),
+    "llama3.1": (
+        "Llama3Backbone",
+        dict(**LLAMA_LIKE, **LLAMA_3_1, tie_word_embeddings=True),
+    ),
+    "mistral": (
+        "MistralBackbone",
+        dict(**LLAMA_LIKE, sliding_window=3, head_dim=8, rope_scaling_factor=2.0),
+    ),
+    # keras-hub's Gemma blocks keep their norms' epsilon (1e-6): the config's
+    # reaches the final norm only.
+    "gemma": (
+        "GemmaBackbone",
+        dict(**GEMMA, intermediate_dim=48, layer_norm_epsilon=0.3),
+    ),
     "gemma2": ("GemmaBackbone", GEMMA_2),
+    # keras-hub's Qwen3 QK-norms keep their epsilon (1e-5).
     "qwen3": (
         "Qwen3Backbone",
-        dict(**LLAMA_LIKE, head_dim=8, tie_word_embeddings=False),
+        dict(
+            **LLAMA_LIKE, head_dim=8, tie_word_embeddings=False, layer_norm_epsilon=0.3
+        ),
     ),
 }
 PROMPT, NEW_TOKENS = 5, 6
@@ -107,6 +121,35 @@ def test_converted_logits_tokens_and_reload_equal_keras_hub(family, tmp_path):
     reloaded = keras.models.load_model(path)
     np.testing.assert_array_equal(
         to_numpy(reloaded(token_ids)), to_numpy(model(token_ids))
+    )
+
+
+def test_left_padded_prompts_decode_as_each_row_alone():
+    """Learned positions start at each row's first real token."""
+    backbone = hub_backbone("gpt2")
+    model = from_keras_hub(backbone)
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    tokens = keras_attn.generation.generate(model, prompts, max_new_tokens=3)
+    for row, prompt in zip(tokens, prompts, strict=True):
+        alone = hub_greedy(backbone, np.array([prompt], "int32"), 3)[0]
+        np.testing.assert_array_equal(row[: len(alone)], alone)
+
+
+def test_qwen3_converts_without_a_sliding_window():
+    """keras-hub 0.32 applies Qwen3's window only on TensorFlow; the
+    converted model, as keras-hub on JAX and PyTorch, has none."""
+    backbone = hub_backbone("qwen3", sliding_window_size=3)
+    token_ids = np.arange(1, 9, dtype="int32")[None]
+    if keras.config.backend() == "tensorflow":
+        with pytest.warns(UserWarning, match="sliding_window_size=3"):
+            model = from_keras_hub(backbone)
+    else:
+        model = from_keras_hub(backbone)
+        assert_same_logits(to_numpy(model(token_ids)), hub_logits(backbone, token_ids))
+    assert all(
+        layer.sliding_window is None
+        for layer in model.layers
+        if isinstance(layer, keras_attn.TransformerDecoder)
     )
 
 
