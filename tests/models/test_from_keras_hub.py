@@ -3,6 +3,7 @@ tokens as a greedy loop over keras-hub's own logits, and a `.keras` reload
 with the same logits; options we cannot compute exactly raise."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -231,3 +232,19 @@ def test_generate_refuses_sequences_past_the_position_table():
     check_positions(27, pads[1:], 24)
     with pytest.raises(ValueError, match="27 tokens"):
         check_positions(27, pads, 24)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma2", "qwen3"])
+def test_layout_maps_place_every_block_weight(family):
+    """`keras_attn.distribution`'s rules reach each converted block's weights
+    (one rule each, of the weight's rank); the rest is replicated."""
+    model = from_keras_hub(hub_backbone(family))
+    devices = [f"cpu:{i}" for i in range(2)]
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=devices)
+    layout_map = keras_attn.distribution.get_layout_map(mesh)
+    for weight in model.weights:
+        matches = [key for key in layout_map if re.fullmatch(key, weight.path)]
+        expected = 1 if weight.path.startswith("transformer_layer_") else (0, 1)
+        assert len(matches) in np.atleast_1d(expected), (weight.path, matches)
+        if matches:
+            assert len(layout_map[weight.path].axes) == len(weight.shape)
