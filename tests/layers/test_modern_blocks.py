@@ -298,7 +298,7 @@ def test_layer_contract_with_every_new_option(tmp_path, layer_cls, kwargs, input
         expected_output_shape=(2, 5, WIDTH),
         tmp_path=tmp_path,
         machinery=layer_cls is TransformerDecoder,
-        quantization_modes=("int8",),  # every mode: the encoder's contract
+        quantization_modes=("int8",),  # every mode: the attention's contracts
     )
 
 

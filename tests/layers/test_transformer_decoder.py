@@ -27,9 +27,8 @@ def test_layer_contract_encoder_decoder(tmp_path, normalize_first):
         expected_output_shape=(B, T, WIDTH),
         tmp_path=tmp_path,
         # Quantization, LoRA and policy maps act on the sublayers, which are
-        # the same in either order: checked once, post-norm. Each quantization
-        # mode on every sublayer kind (EinsumDense, Dense): the encoder's
-        # contract.
+        # the same in either order: checked once, post-norm. Every mode on
+        # the attention's projections: MultiHeadAttention's contracts.
         machinery=not normalize_first,
         quantization_modes=("int8",),
     )

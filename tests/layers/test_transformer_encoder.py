@@ -30,8 +30,10 @@ def test_layer_contract(tmp_path, normalize_first):
         expected_output_shape=(B, T, WIDTH),
         tmp_path=tmp_path,
         # Quantization, LoRA and policy maps act on the sublayers, which are
-        # the same in either order: checked once, post-norm.
+        # the same in either order: checked once, post-norm. Every mode on
+        # the attention's projections: MultiHeadAttention's contracts.
         machinery=not normalize_first,
+        quantization_modes=("int8",),
     )
 
 
