@@ -14,6 +14,7 @@ from keras_attn._checks import (
     get_keras_object,
 )
 from keras_attn.layers._machinery import ConfigCheck
+from keras_attn.ops.positions import position_ids
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -69,12 +70,7 @@ class PositionEmbedding(ConfigCheck, keras.layers.Layer):
     def call(self, inputs, start_index=0):
         if not call_checks_skipped():
             self._check_call(inputs, start_index)
-        start = ops.convert_to_tensor(start_index, "int32")
-        positions = ops.arange(ops.shape(inputs)[1], dtype="int32")
-        if len(start.shape) == 1:
-            positions = start[:, None] + positions[None, :]  # (B, T)
-        else:
-            positions = positions + start
+        positions = position_ids(ops.shape(inputs)[1], start_index)  # (T,)|(B, T)
         positions = ops.maximum(positions, 0)
         table = ops.cast(self.embeddings, inputs.dtype)
         return inputs + ops.take(table, positions, axis=0)

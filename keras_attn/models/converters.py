@@ -108,31 +108,33 @@ def from_keras_hub(model):
 
 
 def _backbone(model):
+    """`model`'s keras-hub backbone, of a family we convert, with float
+    weights under one dtype policy; else a `ValueError` says which."""
     backbone = getattr(model, "backbone", model)
     cls = type(backbone)
-    quantized = [
-        layer.name
-        for layer in getattr(backbone, "_flatten_layers", lambda: [])()
-        if getattr(layer, "quantization_mode", None)
-    ]
-    if isinstance(backbone.dtype_policy, keras.dtype_policies.DTypePolicyMap):
-        raise ValueError(
-            "`from_keras_hub` converts a model of one dtype policy; this one "
-            "has a DTypePolicyMap. Convert the model built with one policy, "
-            "then give the keras_attn model its map."
-        )
-    if quantized:
-        raise ValueError(
-            "`from_keras_hub` converts float weights; these layers are "
-            f"quantized: {quantized[:3]}. Convert the float model, then call "
-            "`quantize` on the keras_attn model."
-        )
     if not cls.__module__.startswith("keras_hub.") or cls.__name__ not in _FAMILIES:
         raise ValueError(
             "`from_keras_hub` converts a keras-hub causal LM or backbone of "
             f"the families {sorted(_FAMILIES)}. Received: {type(model).__name__}"
             + (f" (backbone {cls.__name__})" if backbone is not model else "")
             + "."
+        )
+    if isinstance(backbone.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+        raise ValueError(
+            "`from_keras_hub` converts a model of one dtype policy; this one "
+            "has a DTypePolicyMap. Convert the model built with one policy, "
+            "then give the keras_attn model its map."
+        )
+    quantized = [
+        layer.name
+        for layer in backbone._flatten_layers()
+        if getattr(layer, "quantization_mode", None)
+    ]
+    if quantized:
+        raise ValueError(
+            "`from_keras_hub` converts float weights; these layers are "
+            f"quantized: {quantized[:3]}. Convert the float model, then call "
+            "`quantize` on the keras_attn model."
         )
     return backbone
 
@@ -242,23 +244,32 @@ def _llama(config, backbone):
             "rope_position_scaling_factor",
             "its `LlamaRotaryEmbedding` does not divide the frequencies by it",
         )
-    adjustment = config["rope_frequency_adjustment_factor"]
-    scaling = None
-    if adjustment is not None:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": float(adjustment),
-            "low_freq_factor": float(config["rope_low_freq_factor"]),
-            "high_freq_factor": float(config["rope_high_freq_factor"]),
-            "original_max_position_embeddings": int(
-                config["rope_pretraining_sequence_length"]
-            ),
-        }
-    for key in ("rope_low_freq_factor", "rope_high_freq_factor"):
-        config.get(key)
-    config.get("rope_pretraining_sequence_length")
+    scaling = _llama3_scaling(config)
     block = _llama_block(config, rope_scaling=scaling)
     return _llama_like(config, backbone, block, LLAMA_BLOCK)
+
+
+def _llama3_scaling(config):
+    """Llama 3.1's frequency adjustment as a `rope_scaling` dict; None
+    without one (keras-hub sets its four entries together or none)."""
+    factor, low, high, original = (
+        config[f"rope_{key}"]
+        for key in (
+            "frequency_adjustment_factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "pretraining_sequence_length",
+        )
+    )
+    if factor is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": float(factor),
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": int(original),
+    }
 
 
 def _mistral(config, backbone):

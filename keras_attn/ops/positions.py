@@ -84,15 +84,22 @@ def sinusoids(length, dim, max_wavelength=10000.0, start_index=0, dtype="float32
     inverse_frequency = inverse_frequencies(
         max_wavelength, [2 * (channel // 2) / dim for channel in range(dim)]
     )  # (dim,)
-    start = ops.cast(start_index, "float32")
-    positions = ops.arange(0, length, dtype="float32")  # (T,)
-    if len(start.shape) == 1:
-        positions = ops.expand_dims(positions, 0) + ops.expand_dims(start, 1)  # (B, T)
-    else:
-        positions = positions + start
+    positions = position_ids(length, start_index, "float32")  # (T,) or (B, T)
     angles = ops.expand_dims(positions, -1) * inverse_frequency
     even = ops.convert_to_tensor([c % 2 == 0 for c in range(dim)], dtype="bool")
     return ops.cast(ops.where(even, ops.sin(angles), ops.cos(angles)), dtype)
+
+
+def position_ids(length, start_index=0, dtype="int32"):
+    """Positions `start_index, ..., start_index + length - 1` in `dtype`:
+    `(length,)` for a scalar start, `(batch, length)` for one start per row
+    (`start_index` of shape `(batch,)`). Unchecked, for callers that
+    checked `start_index` (`check_size`)."""
+    start = ops.cast(start_index, dtype)
+    positions = ops.arange(0, length, dtype=dtype)  # (T,)
+    if len(start.shape) == 1:
+        return ops.expand_dims(start, 1) + ops.expand_dims(positions, 0)  # (B, T)
+    return positions + start
 
 
 def rotary_embedding(
