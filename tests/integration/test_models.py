@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers.backend import BACKEND, has_accelerator, installed_backends
+from tests.helpers.backend import BACKEND, installed_backends
 from tests.helpers.builders import encoder_decoder_model, llama_model
 
 VOCAB, LENGTH, WIDTH = 12, 6, 32
@@ -79,8 +79,11 @@ def test_fit_learns_the_copy_task(trained):
 
 
 @pytest.mark.processes
-def test_saved_model_loads_in_fresh_processes_on_every_backend(trained, tmp_path):
+def test_saved_model_loads_in_fresh_processes_on_the_other_backends(trained, tmp_path):
     """The trained translator, and an untrained LLaMA-style model."""
+    others = [b for b in BACKENDS if b != BACKEND]
+    if not others:
+        pytest.skip("no other backend installed")
     model, _, path = trained
     source, decoder_in, _ = copy_task(16, seed=2)
     llama = llama_model(
@@ -99,8 +102,10 @@ def test_saved_model_loads_in_fresh_processes_on_every_backend(trained, tmp_path
     script = tmp_path / "load_and_predict.py"
     script.write_text(LOAD_AND_PREDICT)
     processes = {}
-    for backend in BACKENDS:
-        # One thread each: three processes share the machine's cores.
+    # The other backends: this one reloads in this process (`tests/layers/
+    # test_saving.py`), and each pair of backends is covered by their runs.
+    for backend in others:
+        # One thread each: the processes share the machine's cores.
         env = {
             **os.environ,
             "KERAS_BACKEND": backend,
@@ -121,9 +126,7 @@ def test_saved_model_loads_in_fresh_processes_on_every_backend(trained, tmp_path
     for backend, process in processes.items():
         log, _ = process.communicate(timeout=300)
         assert process.returncode == 0, f"{backend}:\n{log[-3000:]}"
-        # A GPU's numbers against a CPU subprocess: the device's tolerance.
-        same_device = backend == BACKEND and not has_accelerator()
-        tolerance = 1e-6 if same_device else 1e-5
+        tolerance = 1e-5  # another backend's kernels (or a GPU's)
         for name, values in expected.items():
             np.testing.assert_allclose(
                 np.load(tmp_path / f"{name}_{backend}.npy"),
