@@ -277,15 +277,19 @@ def test_attention_sinks_generate_past_the_window_as_the_full_recompute(
     padded = np.zeros((3, 5), "int32")
     for row, prompt in zip(padded, prompts, strict=True):
         row[5 - len(prompt) :] = prompt
-    tokens = generate(model, padded, max_length=21)
+    tokens, scores = generate(model, padded, max_length=21, return_scores=True)
     monkeypatch.undo()
     assert list(lengths.values()) == [{21, 6}] * 2  # 21: the prompt's
     unpadded = np.zeros_like(tokens)  # each row's own tokens, from position 0
     for row, own, prompt in zip(tokens, unpadded, prompts, strict=True):
         own[: 16 + len(prompt)] = row[5 - len(prompt) :]
     logits = to_numpy(model(unpadded))
-    for prompt, row_logits, own in zip(prompts, logits, unpadded, strict=True):
-        assert_greedy(row_logits[None], own[None, : 16 + len(prompt)], len(prompt))
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for i, prompt in enumerate(prompts):
+        new = range(len(prompt), len(prompt) + 16)  # positions of the new tokens
+        assert_greedy(logits[i : i + 1], unpadded[i : i + 1, : new[-1] + 1], new[0])
+        expected = [log_probs[i, p - 1, unpadded[i, p]] for p in new]
+        np.testing.assert_allclose(scores[i, 5:], expected, atol=1e-4)
 
 
 def test_prompts_of_another_width_reuse_nothing_stale(gpt):
