@@ -20,7 +20,8 @@ class ModelAdapter:
 
     The caches grow in segments (`grow`): a step attends over at most the
     segment's positions, not the whole `length`. Decoders with a sliding
-    window shorter than `length` keep a rolling cache of their window instead.
+    window shorter than `length` keep a rolling cache of their window instead
+    (and of their attention sinks, each row's first positions, before it).
 
     Model state: `caches` (per decoder, `(B, 2, heads, L, head_dim)`), `keys`
     (`(B, L)`, True where a cache position is a real token), `pads` (`(B,)`,
@@ -36,9 +37,10 @@ class ModelAdapter:
     def __init__(self, plan, length):
         self.plan = plan
         self.layers = plan.layers
-        # Per decoder: whether its cache rolls over its window (see `_rolling`).
+        # Per decoder: whether its cache rolls over its window (see
+        # `_rolling_call`): sinks and window fewer than the positions.
         self.rolling = [
-            bool(layer.sliding_window and layer.sliding_window < length)
+            bool(layer.sliding_window and layer.sliding_window + _sinks(layer) < length)
             for layer in plan.decoders
         ]
         self.write = None  # `keras.ops.slice_update`
@@ -64,8 +66,8 @@ class ModelAdapter:
             keys = ops.logical_and(keys, pad_to(mask, size, True))
         state["keys"] = keys
         logits, state = self._run(prompt, 0, state, prefill=True)
-        state["caches"] = [  # rolling caches keep the last `window` positions
-            _last_positions(cache, width, layer.sliding_window) if rolls else cache
+        state["caches"] = [  # rolling caches keep the sinks and the window
+            _rolling_cache(cache, width, layer, pads) if rolls else cache
             for cache, layer, rolls in zip(
                 state["caches"], self.plan.decoders, self.rolling, strict=True
             )
@@ -222,29 +224,88 @@ def _last(logits):
     return logits[:, -1] if len(logits.shape) == 3 else logits
 
 
+def _sinks(layer):
+    return layer.attention_sinks or 0
+
+
 def _rolling_call(layer, x, state, decoder, index, kwargs):
     """One token at `index` through a sliding-window decoder whose cache holds
-    only its window, `w` positions: `(output, cache)`.
+    only its sinks and its window, `s + w` positions: `(output, cache)`.
 
-    Slot `s` holds position `index - (w - 1) + s` and the new token goes into
-    the last slot, so the layer's causal window, relative to that slot, allows
-    every slot; `keys` gives which are real tokens. Rolling the cache by one
-    then frees the last slot for the next position. Memory stays `w`
-    positions however long the generation runs.
+    Sink slot `k < s` holds each row's position `pads + k` (its `k`-th token);
+    window slot `s + k` holds position `index - (w - 1) + k`, and the new
+    token goes into the last slot, so the layer's causal window, relative to
+    that slot, allows every window slot and its sinks every sink slot;
+    `_slot_keys` gives which hold real tokens, each once. Rolling the window
+    by one then frees the last slot for the next position. Memory stays
+    `s + w` positions however long the generation runs.
     """
-    cache, keys = state["caches"][decoder], state["keys"]
-    window = cache.shape[3]
-    padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
-    slots = ops.take(padded, index + 1 + ops.arange(window), axis=1)  # (B, w)
+    cache, sinks = state["caches"][decoder], _sinks(layer)
+    window = cache.shape[3] - sinks
+    slots = _slot_keys(state["keys"], state["pads"], index, window, sinks)
     x, cache, *_ = call_sublayer(  # written by `slice_update`: the roll copies
         layer,
         x,
         decoder_padding_mask=slots,
         self_attention_cache=cache,
-        self_attention_cache_update_index=window - 1,
+        self_attention_cache_update_index=sinks + window - 1,
         **kwargs,
     )
-    return x, ops.roll(cache, -1, axis=3)
+    return x, _rolled(cache, state["pads"], index, sinks)
+
+
+def _slot_keys(keys, pads, index, window, sinks):
+    """`(B, s + w)`: which slots of a rolling cache hold real tokens that the
+    token at `index` may see (`keys`, `(B, L)`, by position).
+
+    A sink slot counts once written (its position before `index`); a window
+    slot whose position is also a written sink does not (seen there, once).
+    """
+    padded = ops.pad(keys, [[0, 0], [window, 0]], constant_values=False)
+    recent = ops.take(padded, index + 1 + ops.arange(window), axis=1)  # (B, w)
+    if not sinks:
+        return recent
+    first = pads[:, None] + ops.arange(sinks, dtype="int32")  # (B, s) positions
+    at = ops.minimum(first, keys.shape[1] - 1)
+    written = ops.logical_and(first < index, ops.take_along_axis(keys, at, axis=1))
+    positions = index - (window - 1) + ops.arange(window, dtype="int32")  # (w,)
+    unique = ops.logical_or(
+        positions[None, :] >= (pads + sinks)[:, None],  # past the sinks
+        ops.arange(window) == window - 1,  # the new token: in no sink slot yet
+    )  # (B, w)
+    return ops.concatenate([written, ops.logical_and(recent, unique)], axis=1)
+
+
+def _rolled(cache, pads, index, sinks):
+    """The cache after a step: its window rolled by one (the last slot free);
+    where the new position is one of a row's sinks (`pads + k == index`), the
+    new keys and values also kept in that sink slot."""
+    if not sinks:
+        return ops.roll(cache, -1, axis=3)
+    first, recent = cache[:, :, :, :sinks], cache[:, :, :, sinks:]
+    arrives = pads[:, None] + ops.arange(sinks, dtype="int32") == index  # (B, s)
+    first = ops.where(arrives[:, None, None, :, None], recent[:, :, :, -1:], first)
+    return ops.concatenate([first, ops.roll(recent, -1, axis=3)], axis=3)
+
+
+def _rolling_cache(cache, width, layer, pads):
+    """The rolling cache after a prompt of `width` tokens: the sink slots
+    (`_first_positions`), then the window's (`_last_positions`)."""
+    recent = _last_positions(cache, width, layer.sliding_window)
+    sinks = _sinks(layer)
+    if not sinks:
+        return recent
+    return ops.concatenate([_first_positions(cache, pads, sinks), recent], axis=3)
+
+
+def _first_positions(cache, pads, sinks):
+    """The sink slots after the prompt: each row's positions `pads, ...,
+    pads + sinks - 1`; those past the prompt are filled as they are
+    generated (`_rolled`), and not seen before (`_slot_keys`)."""
+    first = pads[:, None] + ops.arange(sinks, dtype="int32")  # (B, s)
+    at = ops.minimum(first, cache.shape[3] - 1)[:, None, None, :, None]
+    shape = (*ops.shape(cache)[:3], sinks, cache.shape[4])
+    return ops.take_along_axis(cache, ops.broadcast_to(at, shape), axis=3)
 
 
 def _last_positions(cache, width, window):

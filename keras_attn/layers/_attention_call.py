@@ -24,6 +24,7 @@ from keras_attn.layers._kv_cache import check_cache
 from keras_attn.ops.masks import (
     causal,
     merge_attention_masks,
+    sink_keys,
     window_band,
 )
 from keras_attn.ops.plan import fused_limits, refuse_flash
@@ -93,7 +94,7 @@ class AttentionCall:
             return positions, positions
         return positions, ops.arange(0, ops.shape(self.key)[1], dtype="int32") + start
 
-    def merged_mask(self, axes, sliding_window, lengths):
+    def merged_mask(self, axes, sliding_window, lengths, sinks=None):
         """The merged boolean mask (or `None`), and whether attention is
         causal from the first key (`is_causal` of `dot_product_attention`,
         whose plan decides its form).
@@ -101,7 +102,7 @@ class AttentionCall:
         With a cache the queries sit at the cache index, an offset that
         `is_causal` cannot say: the causal mask is built here. `lengths`
         counts the (folded) queries and the keys (the cache's positions with a
-        cache).
+        cache). `sinks`: the attention sinks beside the sliding window.
         """
         fold = axes.fold
         padding = [
@@ -113,6 +114,8 @@ class AttentionCall:
             self.attention_mask, self.query, self.key
         )
         positions = self._position_masks(sliding_window, *lengths)
+        if sinks:  # the window's band, widened to the sinks
+            positions[-1] = self._sink_band(positions[-1], sinks, lengths[1], padding)
         mask = merge_attention_masks(*padding, attention_mask, *positions)
         return mask, self.use_causal_mask and self.cache_update_index is None
 
@@ -133,6 +136,16 @@ class AttentionCall:
         if sliding_window is not None:
             masks.append(window_band(query_length, key_length, sliding_window, offset))
         return masks
+
+    @staticmethod
+    def _sink_band(band, sinks, key_length, padding):
+        """The window's `band` `(T, S)` widened to the first `sinks` keys: of
+        each row after its left padding where keys are padded, `(B, T, S)`."""
+        real = None
+        if padding:  # each `(B, 1, S)`
+            real = padding[0] if len(padding) == 1 else ops.logical_and(*padding)
+            real = real[:, 0]  # (B, S)
+        return ops.logical_or(band, sink_keys(key_length, sinks, real))
 
 
 def check_shapes(layer, query_shape, value_shape, key_shape):

@@ -110,7 +110,9 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         check_bool("return_attention_scores", return_attention_scores)
         check_scores_allowed(self.flash_attention, return_attention_scores, "block")
 
-    def _build_attention(self, name, query_shape, value_shape=None, window=None):
+    def _build_attention(
+        self, name, query_shape, value_shape=None, window=None, sinks=None
+    ):
         """An attention sublayer, the norm of its residual branch and the norm
         of its output (`None` without `normalize_sublayer_outputs`).
 
@@ -121,7 +123,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         width = query_shape[-1]
         options = AttentionOptions.config_of(self)
         options.update(key_dim=self.key_dim or width // self.num_heads)
-        options.update(sliding_window=window)
+        options.update(sliding_window=window, attention_sinks=sinks)
         if value_shape is not None:  # keys of another sequence: no positions
             options.update(
                 rope_max_wavelength=None, rope_scaling_factor=1.0, rope_scaling=None

@@ -1,6 +1,7 @@
-"""Text that several docstrings share, written once: the blocks' arguments
-and LoRA's. A docstring names a fragment on a line of its own, `{name}`, and
-`shared_docs` puts the text there, at that line's indentation."""
+"""Text that several docstrings share, written once: the blocks' arguments,
+attention sinks and LoRA's. A docstring names a fragment on a line of its
+own, `{name}`, and `shared_docs` puts the text there, at that line's
+indentation."""
 
 import re
 import textwrap
@@ -68,6 +69,15 @@ attention_scale: float, keyword only. The multiplier of the
 **kwargs: Base layer arguments (`name`, `dtype`, ...).
 """
 
+ATTENTION_SINKS = """\
+attention_sinks: int >= 1, keyword only, with `sliding_window`. In
+    self-attention, the first `attention_sinks` positions stay visible to
+    every query beside its window (StreamingLLM's attention sinks, Xiao et
+    al. 2023); a left-padded row's sinks are its first real tokens.
+    `keras_attn.generation.generate` keeps them in the rolling cache, so
+    generation runs past the window in constant memory. Defaults to `None`.
+"""
+
 LORA_ARGUMENTS = """\
 rank: int. Rank of the adapters.
 lora_alpha: float. Adapters are scaled by `lora_alpha / rank`.
@@ -81,6 +91,7 @@ b_initializer: initializer of the up-projections. Defaults to
 _FRAGMENTS = {
     "block_arguments": BLOCK_ARGUMENTS,
     "block_options": BLOCK_OPTIONS,
+    "attention_sinks": ATTENTION_SINKS,
     "lora_arguments": LORA_ARGUMENTS,
 }
 

@@ -35,6 +35,7 @@ class AttentionOptions:
     rope_scaling_factor: float = 1.0
     rope_scaling: dict | None = None
     attention_scale: float | None = None
+    attention_sinks: int | None = None
 
     @classmethod
     def names(cls):
@@ -83,11 +84,21 @@ class AttentionOptions:
             attention_scale=check_positive_float(
                 "attention_scale", options.attention_scale, allow_none=True
             ),
+            attention_sinks=check_positive_int(
+                "attention_sinks", options.attention_sinks, allow_none=True
+            ),
         )
         options._check_together(dropout)
         return options
 
     def _check_together(self, dropout):
+        if self.attention_sinks is not None and self.sliding_window is None:
+            raise ValueError(
+                "`attention_sinks` keeps the first positions visible beside a "
+                "sliding window, and there is none without `sliding_window`. "
+                f"Received: attention_sinks={self.attention_sinks}, "
+                "sliding_window=None. Pass `sliding_window` (e.g. 4096)."
+            )
         if self.rope_max_wavelength is None and self.rope_scaling_factor != 1.0:
             raise ValueError(
                 "`rope_scaling_factor` scales rotary positions, and there are none "

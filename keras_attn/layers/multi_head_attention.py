@@ -155,6 +155,13 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             query-key logits, on every path (Gemma scales by `(query width /
             num_heads) ** -0.5` where its heads are wider). Defaults to
             `None`: `1 / sqrt(key_dim)`.
+        attention_sinks: int >= 1, keyword only, with `sliding_window`. Key
+            `j` is also visible where `j < attention_sinks`: with the causal
+            mask, each query sees the first `attention_sinks` positions and
+            the last `sliding_window` (StreamingLLM, Xiao et al. 2023;
+            `keras_attn.ops.sliding_window_mask`). Left padding (the leading
+            keys the padding mask masks out) does not count: a left-padded
+            row's sinks are its first real keys. Defaults to `None`.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -364,7 +371,9 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             check_call(self, call)
         q, k, v, cache = self._queries_keys_values(call)
         lengths = ops.shape(q)[1], ops.shape(k)[1 if cache is None else 2]
-        mask, causal = call.merged_mask(self._axes, self.sliding_window, lengths)
+        mask, causal = call.merged_mask(
+            self._axes, self.sliding_window, lengths, sinks=self.attention_sinks
+        )
         result = attend(
             q, k, v,
             mask=mask,

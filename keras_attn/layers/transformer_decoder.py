@@ -40,6 +40,7 @@ class TransformerDecoder(TransformerBlock):
             attends only to positions less than `sliding_window` away (with
             the causal mask: itself and the `sliding_window - 1` before it).
             Defaults to `None`.
+        {attention_sinks}
         {block_options}
 
     Call arguments (keras-hub's order; the ones after `use_causal_mask`,
@@ -113,7 +114,10 @@ class TransformerDecoder(TransformerBlock):
             self.self_attention_layer_norm,
             self.self_attention_output_norm,
         ) = self._build_attention(
-            "self_attention", decoder_sequence_shape, window=self.sliding_window
+            "self_attention",
+            decoder_sequence_shape,
+            window=self.sliding_window,
+            sinks=self.attention_sinks,
         )
         self._has_cross_attention = encoder_sequence_shape is not None
         if self._has_cross_attention:

@@ -37,6 +37,7 @@ class TransformerEncoder(TransformerBlock):
             see `keras_attn.MultiHeadAttention`. Defaults to `False`.
         sliding_window: int, keyword only. Each position attends only to
             positions less than `sliding_window` away. Defaults to `None`.
+        {attention_sinks}
         {block_options}
 
     Call arguments:
@@ -71,7 +72,10 @@ class TransformerEncoder(TransformerBlock):
             self.self_attention_layer_norm,
             self.self_attention_output_norm,
         ) = self._build_attention(
-            "self_attention", inputs_shape, window=self.sliding_window
+            "self_attention",
+            inputs_shape,
+            window=self.sliding_window,
+            sinks=self.attention_sinks,
         )
         self._build_feedforward(inputs_shape, norm_first=True)
         self.built = True

@@ -1,6 +1,6 @@
-"""Masks and biases over (query, key) positions: causal, sliding window, ALiBi,
-and the merge of any of them into one rank-4 boolean mask. True means "may
-attend"."""
+"""Masks and biases over (query, key) positions: causal, sliding window (with
+attention sinks), ALiBi, and the merge of any of them into one rank-4 boolean
+mask. True means "may attend"."""
 
 import math
 
@@ -59,13 +59,18 @@ def causal(query_length, key_length, query_offset=0):
     return offsets(query_length, key_length, query_offset) <= 0
 
 
-def sliding_window_mask(query_length, key_length, window, query_offset=0):
-    """Boolean band: query `i` may attend to keys within `window - 1` positions.
+def sliding_window_mask(
+    query_length, key_length, window, query_offset=0, attention_sinks=0
+):
+    """Boolean band: query `i` may attend to keys within `window - 1` positions
+    (and to the first `attention_sinks` keys).
 
     Key `j` is allowed where `|i + query_offset - j| < window`, the symmetric
-    band of Keras' `MultiHeadAttention(sliding_window=...)`. ANDed with
-    `causal_mask`, it is the causal sliding window of Mistral (each query sees
-    itself and the `window - 1` keys before it).
+    band of Keras' `MultiHeadAttention(sliding_window=...)`, or where
+    `j < attention_sinks`. ANDed with `causal_mask`, it is the causal sliding
+    window of Mistral (each query sees itself and the `window - 1` keys before
+    it), and with sinks StreamingLLM's mask (Xiao et al. 2023): the first
+    `attention_sinks` positions and the last `window`.
 
     Args:
         query_length: int >= 0 or scalar int tensor. Number of query positions.
@@ -73,6 +78,8 @@ def sliding_window_mask(query_length, key_length, window, query_offset=0):
         window: int >= 1. Width of the band on each side, the query included.
         query_offset: int >= 0 or scalar int tensor. Absolute position of the first
             query. Defaults to `0`.
+        attention_sinks: int >= 0. Number of leading keys every query may
+            attend to, however far. Defaults to `0`.
 
     Returns:
         Bool tensor `(query_length, key_length)`, True where attention is allowed.
@@ -84,15 +91,39 @@ def sliding_window_mask(query_length, key_length, window, query_offset=0):
            [1, 1, 1, 0],
            [0, 1, 1, 1],
            [0, 0, 1, 1]])
+    >>> causal = keras_attn.ops.causal_mask(5, 5)
+    >>> sinks = keras_attn.ops.sliding_window_mask(5, 5, 2, attention_sinks=1)
+    >>> keras.ops.convert_to_numpy(keras.ops.logical_and(causal, sinks)).astype(int)
+    array([[1, 0, 0, 0, 0],
+           [1, 1, 0, 0, 0],
+           [1, 1, 1, 0, 0],
+           [1, 0, 1, 1, 0],
+           [1, 0, 0, 1, 1]])
     """
     _check_positions(query_length, key_length, query_offset)
     check_positive_int("window", window)
-    return window_band(query_length, key_length, window, query_offset)
+    check_positive_int("attention_sinks", attention_sinks or None, allow_none=True)
+    return window_band(query_length, key_length, window, query_offset, attention_sinks)
 
 
-def window_band(query_length, key_length, window, query_offset=0):
+def window_band(query_length, key_length, window, query_offset=0, sinks=0):
     """`sliding_window_mask` without its checks, for callers that checked."""
-    return ops.abs(offsets(query_length, key_length, query_offset)) < window
+    band = ops.abs(offsets(query_length, key_length, query_offset)) < window
+    return ops.logical_or(band, sink_keys(key_length, sinks)) if sinks else band
+
+
+def sink_keys(key_length, sinks, padding=None):
+    """The attention sinks, `(1, S)`: the first `sinks` keys; with a key
+    `padding` mask `(B, S)` (True for real keys), `(B, 1, S)`: the first
+    `sinks` keys of each row counted from its first real key, so that left
+    padding moves a row's sinks with its tokens, as it moves nothing else of
+    the mask. A row without real keys gets every key (all masked anyway).
+    """
+    keys = ops.arange(0, key_length, dtype="int32")
+    if padding is None:
+        return ops.expand_dims(keys < sinks, 0)
+    first = ops.min(ops.where(padding, keys, key_length), axis=-1)  # (B,)
+    return ops.expand_dims(keys[None, :] < ops.expand_dims(first + sinks, 1), 1)
 
 
 def _check_positions(query_length, key_length, query_offset):

@@ -1,6 +1,6 @@
 """Decoding equals the full pass: the layers' caches token by token, and
-`generate`'s greedy loop (padded prompts, RoPE, sliding windows, the cache's
-segments) against the model called on the whole prefix."""
+`generate`'s greedy loop (padded prompts, RoPE, sliding windows and their
+attention sinks, the cache's segments) against the model called on the whole prefix."""
 
 import keras
 import numpy as np
@@ -244,6 +244,50 @@ def test_rolling_caches_in_beam_search_and_encoder_decoder_models():
     tokens = generate(translator, [sources, np.ones((2, 1), "int32")], 9)
     for row, row_source in zip(tokens, sources, strict=True):
         assert row.tolist() == naive_greedy(translator, [1], 9, source=row_source)
+
+
+def test_attention_sinks_generate_past_the_window_as_the_full_recompute(
+    monkeypatch,
+):
+    """StreamingLLM: a window of 4 and 2 sinks, 16 new tokens after a prompt
+    of 5, through a decoder with RoPE on sinusoidal positions. Each
+    row, left-padded or not (one shorter than its sinks), is what the model,
+    masking sinks and window, computes on its own tokens: every new token the
+    argmax of the full pass (the naive loop, in one causal call), with its
+    score; the cache holds the 6 slots in every step."""
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((None,), dtype="int32")
+    x = keras_attn.SinusoidalEmbedding(
+        vocabulary_size=VOCAB, embedding_dim=WIDTH, mask_zero=True
+    )(ids)
+    decoder = keras_attn.TransformerDecoder(
+        32, 4, rope_max_wavelength=1e4, sliding_window=4, attention_sinks=2
+    )
+    model = keras.Model(ids, keras.layers.Dense(VOCAB)(decoder(x)))
+    lengths = set()  # of the caches the decoder gets
+
+    def spy(*args, _call=decoder.call, **kwargs):
+        lengths.add(kwargs["self_attention_cache"].shape[3])
+        return _call(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "call", spy)
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10]]
+    padded = np.zeros((3, 5), "int32")
+    for row, prompt in zip(padded, prompts, strict=True):
+        row[5 - len(prompt) :] = prompt
+    tokens, scores = generate(model, padded, max_length=21, return_scores=True)
+    monkeypatch.undo()
+    assert lengths == {21, 6}  # 21: the prompt's
+    unpadded = np.zeros_like(tokens)  # each row's own tokens, from position 0
+    for row, own, prompt in zip(tokens, unpadded, prompts, strict=True):
+        own[: 16 + len(prompt)] = row[5 - len(prompt) :]
+    logits = model.predict(unpadded, verbose=0)  # compiled: quicker on JAX
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for i, prompt in enumerate(prompts):
+        new = range(len(prompt), len(prompt) + 16)  # positions of the new tokens
+        assert_greedy(logits[i : i + 1], unpadded[i : i + 1, : new[-1] + 1], new[0])
+        expected = [log_probs[i, p - 1, unpadded[i, p]] for p in new]
+        np.testing.assert_allclose(scores[i, 5:], expected, atol=1e-4)
 
 
 def test_prompts_of_another_width_reuse_nothing_stale(gpt):
