@@ -11,7 +11,8 @@ from keras_attn.generation import prompts
 from keras_attn.generation.adapter import FunctionAdapter, ModelAdapter
 from keras_attn.generation.graph import GraphPlan
 from keras_attn.generation.loop import Generator
-from keras_attn.generation.settings import Settings
+from keras_attn.generation.settings import Settings, check_speculation
+from keras_attn.generation.speculative import SpeculativeGenerator
 
 _PLANS = weakref.WeakKeyDictionary()  # model -> its GraphPlan, read once
 _GENERATORS = weakref.WeakKeyDictionary()  # model -> {key: Generator}
@@ -37,6 +38,9 @@ def generate(
     return_scores=False,
     on_token=None,
     jit_compile="auto",
+    draft_model=None,
+    num_speculative_tokens=4,
+    return_acceptance=False,
 ):
     """Generate token ids with cached decoding from a keras_attn model.
 
@@ -185,13 +189,21 @@ def generate(
     )  # fmt: skip
     _check_call_options(settings, on_token)
     jit_compile = _jit_compile(jit_compile)
+    k = check_speculation(
+        settings, draft_model, num_speculative_tokens, return_acceptance,
+        torch_compiled=jit_compile and keras.config.backend() == "torch",
+    )  # fmt: skip
     owner, plan = _plan(model)
+    draft = _draft_plan(draft_model, plan)
     prompt, sources = plan.split_inputs(inputs)
     prompt, pads, right_padded = prompts.left_pad(prompt, settings.pad_token_id)
     length, returned = prompts.decoding_length(
         settings, prompt.shape[1], pads, right_padded
     )
-    prompts.check_positions(length, pads, plan.max_positions)
+    # A speculative round runs up to k - 1 positions past `length`.
+    for checked in (plan, draft and draft[1]):
+        if checked:
+            prompts.check_positions(length + max(k - 1, 0), pads, checked.max_positions)
     if plan.vocabulary_size is not None:
         prompts.check_token_ids(
             prompt,
@@ -200,17 +212,30 @@ def generate(
             end_token_id=settings.end_token_ids,
         )
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
+    sources = {f"encoder_{i}": x for i, x in enumerate(sources)}
+    if draft:
+        draft_sources = prompts.check_sources(
+            draft[1].split_inputs(inputs)[1], draft[1].source_specs, prompt.shape[0]
+        )
+        sources.update({f"draft_encoder_{i}": x for i, x in enumerate(draft_sources)})
+        draft = (*draft, k)
     plan.warn_if_probabilities(method)
     outputs = _decode(
-        owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token
-    )
+        owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token,
+        draft,
+    )  # fmt: skip
     tokens = prompts.to_user_layout(
         outputs["tokens"].astype("int32"), pads, right_padded, returned, pad_token_id
     )
-    if not return_scores:
-        return tokens
-    scores = outputs["scores"].astype("float32")
-    return tokens, prompts.to_user_layout(scores, pads, right_padded, returned, 0.0)
+    results = [tokens]
+    if return_scores:
+        scores = outputs["scores"].astype("float32")
+        results.append(
+            prompts.to_user_layout(scores, pads, right_padded, returned, 0.0)
+        )
+    if return_acceptance:
+        results.append(float(outputs.get("acceptance", np.nan)))
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def _check_call_options(settings, on_token):
@@ -238,23 +263,20 @@ def _jit_compile(jit_compile):
 
 
 def _decode(
-    owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token
+    owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token, draft
 ):
-    """Tokens and scores as numpy; with no new position, the prompts
-    themselves (the model need not run)."""
+    """Tokens and scores (and with a draft, the acceptance rate) as numpy;
+    with no new position, the prompts themselves (the model need not run)."""
     if length == prompt.shape[1]:
         return {"tokens": prompt, "scores": np.zeros(prompt.shape, "float32")}
-    generator = _generator(owner, plan, settings, prompt.shape[1], length, jit_compile)
+    generator = _generator(
+        owner, plan, settings, prompt.shape[1], length, jit_compile, draft
+    )
     return _run(generator, settings, prompt, pads, sources, on_token)
 
 
 def _run(generator, settings, prompt, pads, sources, on_token):
-    batch = {
-        "prompt": prompt,
-        "pads": pads,
-        **settings.numbers(),
-        **{f"encoder_{i}": x for i, x in enumerate(sources)},
-    }
+    batch = {"prompt": prompt, "pads": pads, **settings.numbers(), **sources}
     # PyTorch loops in Python anyway; `predict_on_batch` adds no_grad.
     compiled = generator.jit_compile or keras.config.backend() == "torch"
     if on_token is None and compiled:
@@ -319,16 +341,25 @@ class _FunctionPlan:
         pass
 
 
-def _generator(owner, plan, settings, width, length, jit_compile):
+def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
     """The compiled loop for these settings, prompt width and length, and
     Keras' flash attention switch (which the attention plan reads when the
-    loop is traced)."""
+    loop is traced); with `draft`, `(draft model, its plan, k)`, speculative."""
     functions = getattr(plan, "functions", None)
     functions_key = functions and tuple(map(_function_key, functions))
     flash = keras.config.is_flash_attention_enabled()
-    key = (settings, width, length, jit_compile, functions_key, flash)
+    draft_key = draft and (draft[0], draft[2])
+    key = (settings, width, length, jit_compile, functions_key, flash, draft_key)
     cache = _GENERATORS.setdefault(owner, {})
     if key in cache:
+        return cache[key]
+    if draft:
+        size = length + draft[2] + 1
+        cache[key] = SpeculativeGenerator(
+            ModelAdapter(plan, size, roll=False),
+            ModelAdapter(draft[1], size, roll=False),
+            settings, width, length, draft[2], jit_compile,
+        )  # fmt: skip
         return cache[key]
     if functions:
         adapter = FunctionAdapter(functions, length)
@@ -342,3 +373,32 @@ def _generator(owner, plan, settings, width, length, jit_compile):
 
 def _function_key(function):
     return getattr(function, "__func__", function)
+
+
+def _draft_plan(draft_model, plan):
+    """`(draft model, its GraphPlan)`, checked against the target's `plan`,
+    or None without a draft."""
+    if draft_model is None:
+        return None
+    if isinstance(plan, _FunctionPlan) or not isinstance(draft_model, keras.Model):
+        raise ValueError(
+            "Speculative decoding needs functional keras.Models as `model` and "
+            "`draft_model` (not `(prefill, step)` functions). Received: "
+            f"draft_model of type {type(draft_model).__name__}."
+        )
+    _, draft = _plan(draft_model)
+    if draft.vocabulary_size != plan.vocabulary_size:
+        raise ValueError(
+            "`draft_model` must score the target's vocabulary. Received a "
+            f"draft with vocabulary_size={draft.vocabulary_size}; the target "
+            f"has {plan.vocabulary_size}."
+        )
+    if len(draft.inputs) != len(plan.inputs) or len(draft.source_specs) != len(
+        plan.source_specs
+    ):
+        raise ValueError(
+            "`draft_model` must take the target's inputs (decoder-only, or "
+            "the same encoder inputs). Received a draft with "
+            f"{len(draft.inputs)} inputs; the target has {len(plan.inputs)}."
+        )
+    return draft_model, draft

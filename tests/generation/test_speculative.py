@@ -1,0 +1,162 @@
+"""Speculative decoding: greedy with a draft is greedy (a draft that always
+agrees, one that partly agrees, one that never does; padding, end tokens);
+the rejection rule keeps the target's distribution; seeded sampling is
+reproducible and the compiled and Python loops agree; bad input."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_attn.generation import generate
+from keras_attn.generation.speculative import rejection_sample
+from keras_attn.generation.strategies import counter_uniform
+from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.builders import GENERATION_VOCAB as VOCAB
+from tests.helpers.builders import GENERATION_WIDTH as WIDTH
+from tests.helpers.builders import one_decoder_model
+
+LEFT_PADDED = np.array([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10]], "int32")
+RIGHT_PADDED = [[3, 4, 5], [6, 7, 8, 9, 10]]  # a list: right-padded
+
+
+def first_block(gpt):
+    """A draft that mostly agrees: the target without its second block (a
+    model of its own, with the target's embedding, first block, norm and
+    head weights)."""
+    ids = keras.Input((None,), dtype="int32")
+    layers = [gpt.layers[i] for i in (1, 2, 5, 6)]
+    x = ids
+    for layer in layers:
+        x = layer.__class__.from_config(layer.get_config())(x)
+    draft = keras.Model(ids, x)
+    for copy, layer in zip(draft.layers[1:], layers, strict=True):
+        copy.set_weights(layer.get_weights())
+    return draft
+
+
+@pytest.fixture(scope="module")
+def drafts(gpt):
+    return {
+        "itself": gpt,
+        "first block": first_block(gpt),
+        "unrelated": one_decoder_model(VOCAB, WIDTH, seed=3)[0],
+    }
+
+
+@pytest.mark.parametrize(
+    "draft, prompt",
+    [
+        ("itself", LEFT_PADDED),
+        ("first block", RIGHT_PADDED),
+        ("unrelated", LEFT_PADDED),
+    ],
+)
+def test_greedy_with_a_draft_is_greedy(gpt, drafts, draft, prompt):
+    plain = generate(gpt, prompt, max_new_tokens=9)
+    end = int(plain[1, 7])  # the second row ends early, the first perhaps not
+    options = dict(max_new_tokens=9, end_token_id=end, min_new_tokens=1)
+    tokens, scores = generate(gpt, prompt, return_scores=True, **options)
+    spec_tokens, spec_scores, acceptance = generate(
+        gpt, prompt, return_scores=True, draft_model=drafts[draft],
+        num_speculative_tokens=3, return_acceptance=True, **options,
+    )  # fmt: skip
+    np.testing.assert_array_equal(spec_tokens, tokens)
+    np.testing.assert_allclose(spec_scores, scores, atol=1e-5)
+    assert 0.0 <= acceptance <= 1.0
+    if draft == "itself":
+        assert acceptance == 1.0
+
+
+def test_encoder_decoder_greedy_with_itself_as_draft(translator):
+    inputs = [np.array([[3, 4, 0], [5, 6, 7]]), np.ones((2, 1), "int32")]
+    tokens, acceptance = generate(
+        translator, inputs, 7, draft_model=translator, return_acceptance=True
+    )
+    np.testing.assert_array_equal(tokens, generate(translator, inputs, 7))
+    assert acceptance == 1.0
+
+
+def test_sampling_is_seeded_and_the_loops_agree(gpt, drafts):
+    options = dict(
+        max_new_tokens=8, method="sample", seed=5, top_k=6, temperature=0.8,
+        draft_model=drafts["first block"], num_speculative_tokens=2,
+    )  # fmt: skip
+    compiled = generate(gpt, LEFT_PADDED, **options)
+    streamed = []
+    python = generate(
+        gpt, LEFT_PADDED, jit_compile=False,
+        on_token=lambda step, tokens: streamed.append((step, tokens)), **options,
+    )  # fmt: skip
+    np.testing.assert_array_equal(python, compiled)
+    assert [step for step, _ in streamed] == list(range(8))
+    np.testing.assert_array_equal(np.stack([t for _, t in streamed], 1), python[:, 5:])
+    top = np.argsort(-to_numpy(gpt(LEFT_PADDED))[:, -1], -1)[:, :6]
+    assert all(python[i, 5] in top[i] for i in range(2))  # top_k applied
+
+
+def exact_histogram(p, q, grid=400):
+    """`rejection_sample`'s output distribution for explicit `p`, `q`
+    `(V,)`: every draft token (weighted by `q`) against a grid of
+    acceptance and residual uniforms."""
+    vocabulary = len(p)
+    u = (np.arange(grid) + 0.5) / grid
+    x = np.repeat(np.arange(vocabulary), grid)  # (V * grid,)
+    u_accept, u_residual = np.tile(u, vocabulary), np.tile(u[::-1], vocabulary)
+    rows = len(x)
+    accepted, replacement = rejection_sample(
+        ops.convert_to_tensor(np.tile(p, (rows, 1)), "float32"),
+        ops.convert_to_tensor(np.tile(q, (rows, 1)), "float32"),
+        ops.convert_to_tensor(x, "int32"),
+        ops.convert_to_tensor(u_accept, "float32"),
+        ops.convert_to_tensor(u_residual, "float32"),
+    )
+    accepted, replacement = to_numpy(accepted), to_numpy(replacement)
+    accept_rate = accepted.reshape(vocabulary, grid).mean(1)  # (V,) per draft x
+    residual = np.bincount(replacement[:grid], minlength=vocabulary) / grid
+    return q * accept_rate + (1 - np.sum(q * accept_rate)) * residual, accepted
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    p = np.array([0.5, 0.3, 0.15, 0.05, 0.0])
+    q = np.array([0.2, 0.1, 0.3, 0.3, 0.1])
+    found, _ = exact_histogram(p, q)
+    np.testing.assert_allclose(found, p, atol=5e-3)
+    _, accepted = exact_histogram(q, q)  # the same distribution: all accepted
+    assert accepted.all()
+    # With the hash's draws: draft tokens, acceptance and residual streams.
+    rows = ops.arange(4000, dtype="int32")
+    seed = ops.convert_to_tensor([11], "int32")
+    draws = [to_numpy(counter_uniform(seed, rows, stream)) for stream in range(3)]
+    x = np.searchsorted(np.cumsum(q), draws[0], side="right")
+    accepted, replacement = rejection_sample(
+        ops.convert_to_tensor(np.tile(p, (4000, 1)), "float32"),
+        ops.convert_to_tensor(np.tile(q, (4000, 1)), "float32"),
+        ops.convert_to_tensor(np.minimum(x, 4), "int32"),
+        *(ops.convert_to_tensor(d, "float32") for d in draws[1:]),
+    )
+    tokens = np.where(to_numpy(accepted), np.minimum(x, 4), to_numpy(replacement))
+    np.testing.assert_allclose(np.bincount(tokens, minlength=5) / 4000, p, atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"method": "beam"}, "method='beam'"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"draft_model": None, "num_speculative_tokens": 2}, "only applies with"),
+        ({"draft_model": None, "return_acceptance": True}, "return_acceptance"),
+        ({"draft_model": "vocabulary"}, "vocabulary_size=7; the target has 13"),
+        ({"draft_model": "functions"}, "not `\\(prefill, step\\)`"),
+    ]
+    + ([({"jit_compile": True}, "jit_compile")] if BACKEND == "torch" else []),
+)
+def test_bad_speculative_input(gpt, options, match):
+    options = {"draft_model": gpt, **options}
+    if options["draft_model"] == "vocabulary":
+        options["draft_model"] = one_decoder_model(7, WIDTH)[0]
+    elif options["draft_model"] == "functions":
+        options["draft_model"] = (lambda *a: None, lambda *a: None)
+    with pytest.raises(ValueError, match=match):
+        generate(gpt, LEFT_PADDED, max_new_tokens=2, **options)
