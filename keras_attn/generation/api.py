@@ -155,12 +155,37 @@ def generate(
             the step eagerly from a Python loop everywhere (for debugging).
             Compiled loops are kept per model, settings, prompt width, length
             and (on PyTorch) batch size.
+        draft_model: a functional `keras.Model` as `model` is, keyword only:
+            speculative decoding (Leviathan et al., 2022). Each round the
+            draft proposes `num_speculative_tokens` tokens one at a time
+            (with its own caches), the target scores them in one pass, and
+            every row keeps the longest prefix all running rows accepted,
+            plus the target's own next token. `"greedy"` gives the tokens
+            of plain greedy decoding; `"sample"` accepts a draft token `x`
+            with probability `min(1, p(x) / q(x))`, else draws from
+            `max(0, p - q)` (`p`, `q`: the target's and the draft's
+            distributions after `temperature`, `top_k`, `top_p`), so the
+            tokens follow the target's distribution (not the same draws as
+            without a draft). It must take the target's inputs and score
+            the same vocabulary. Not with `"beam"`, a `repetition_penalty`,
+            `(prefill, step)` functions, or `jit_compile=True` on PyTorch
+            (the rounds run eagerly there, the index read back once per
+            round). Sliding-window decoders keep full caches (no rolling).
+        num_speculative_tokens: int >= 1, keyword only. Draft tokens per
+            round. Defaults to `4`; only with `draft_model`.
+        return_acceptance: bool, keyword only. Also return the draft's
+            acceptance rate, a float: draft tokens the target accepted over
+            those proposed, counted over the rows still running (NaN if
+            nothing was proposed). Only with `draft_model`.
 
     Returns:
         numpy int32 array `(batch, length)`: each prompt followed by its
         generated tokens. With `return_scores=True`, a tuple `(tokens,
         scores)`, scores float32 `(batch, length)`: 0 at the prompt and
-        after a row's end.
+        after a row's end (with a draft model, the target's log-probability
+        of each token). With `return_acceptance=True`, the acceptance rate
+        comes last: `(tokens, acceptance)` or `(tokens, scores,
+        acceptance)`.
 
     Example:
     >>> ids = keras.Input((None,), dtype="int32")
@@ -179,6 +204,12 @@ def generate(
     >>> keras_attn.generation.generate(
     ...     model, [[3, 4, 5], [6]], max_new_tokens=0).tolist()
     [[3, 4, 5], [6, 0, 0]]
+    >>> fast, acceptance = keras_attn.generation.generate(
+    ...     model, [[3, 4, 5]], 8, draft_model=model, num_speculative_tokens=2,
+    ...     return_acceptance=True)  # a draft that always agrees
+    >>> plain = keras_attn.generation.generate(model, [[3, 4, 5]], 8)
+    >>> bool(np.all(fast == plain)), acceptance
+    (True, 1.0)
     """
     settings = Settings.from_arguments(
         method, end_token_id, pad_token_id, return_scores,
