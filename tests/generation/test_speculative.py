@@ -12,7 +12,6 @@ from keras_attn.generation import generate
 from keras_attn.generation.speculative import rejection_sample
 from keras_attn.generation.strategies import counter_uniform
 from tests.helpers.backend import BACKEND, to_numpy
-from tests.helpers.builders import GENERATION_VOCAB as VOCAB
 from tests.helpers.builders import GENERATION_WIDTH as WIDTH
 from tests.helpers.builders import one_decoder_model
 
