@@ -145,7 +145,7 @@ def main(argv=None):
     parser.add_argument("--no-keras-hub", action="store_true")
     parser.add_argument("--results", default=RESULTS, help="Output folder.")
     parser.add_argument("--speculative", action="store_true")
-    parser.add_argument("--extra-blocks", type=int, default=6)
+    parser.add_argument("--extra-blocks", type=int, default=14)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
     backend = keras.config.backend()
