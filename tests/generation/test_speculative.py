@@ -54,6 +54,8 @@ def test_greedy_with_a_draft_is_greedy(gpt):
 
 def test_sampling_python_loop_streams_what_the_compiled_loop_returns(gpt):
     """Right-padded rows, seeded; on PyTorch both loops run from Python."""
+    if BACKEND == "jax":  # eager JAX compiles each op anew: 40 s of suite time
+        pytest.skip("the Python rounds are the same ops on every backend")
     options = dict(
         max_new_tokens=4, method="sample", seed=5, top_k=6,
         draft_model=first_block(gpt), num_speculative_tokens=2,
