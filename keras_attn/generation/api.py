@@ -167,10 +167,13 @@ def generate(
             distributions after `temperature`, `top_k`, `top_p`), so the
             tokens follow the target's distribution (not the same draws as
             without a draft). It must take the target's inputs and score
-            the same vocabulary. Not with `"beam"`, a `repetition_penalty`,
-            `(prefill, step)` functions, or `jit_compile=True` on PyTorch
-            (the rounds run eagerly there, the index read back once per
-            round). Sliding-window decoders keep full caches (no rolling).
+            the same vocabulary. Not with `"beam"`, a `repetition_penalty`
+            or `(prefill, step)` functions. Compiled as one `while_loop` on
+            JAX and TensorFlow; on PyTorch (and with `on_token` or
+            `jit_compile=False`) the rounds run from Python, which reads the
+            index back once per round, and `jit_compile=True` compiles the
+            round as it does the step. Sliding-window decoders keep full
+            caches (no rolling).
         num_speculative_tokens: int >= 1, keyword only. Draft tokens per
             round. Defaults to `4`; only with `draft_model`.
         return_acceptance: bool, keyword only. Also return the draft's
@@ -221,9 +224,8 @@ def generate(
     _check_call_options(settings, on_token)
     jit_compile = _jit_compile(jit_compile)
     k = check_speculation(
-        settings, draft_model, num_speculative_tokens, return_acceptance,
-        torch_compiled=jit_compile and keras.config.backend() == "torch",
-    )  # fmt: skip
+        settings, draft_model, num_speculative_tokens, return_acceptance
+    )
     owner, plan = _plan(model)
     draft = _draft_plan(draft_model, plan)
     prompt, sources = plan.split_inputs(inputs)

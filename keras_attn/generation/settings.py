@@ -194,7 +194,7 @@ def _check_float(name, value, expected, valid):
         )
 
 
-def check_speculation(settings, draft_model, k, return_acceptance, torch_compiled):
+def check_speculation(settings, draft_model, k, return_acceptance):
     """Refuse what speculative decoding cannot do, naming the argument;
     returns the draft tokens per round (`0`: no draft model)."""
     if not isinstance(return_acceptance, bool):
@@ -220,8 +220,6 @@ def check_speculation(settings, draft_model, k, return_acceptance, torch_compile
                    "method='greedy' or 'sample', not 'beam'"),
         "repetition_penalty": (settings.penalized, "the penalty would depend on "
                                "draft tokens not yet accepted; leave it at 1.0"),
-        "jit_compile": (torch_compiled, "on PyTorch the speculative loop runs "
-                        "eagerly only; pass jit_compile='auto' or False"),
     }  # fmt: skip
     for name, (bad, why) in refused.items():
         if bad:

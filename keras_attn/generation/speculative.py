@@ -19,6 +19,7 @@ positions in the place of a step. Its state:
   proposed over the rows still running, for the acceptance rate.
 """
 
+import keras
 from keras import ops
 
 from keras_attn.generation import strategies
@@ -70,7 +71,8 @@ class SpeculativeGenerator(Generator):
                 self._running, lambda s: self._round(s, numbers), state
             )
         else:
-            state = self._python_rounds(state, numbers, on_token)
+            with self._steps_held():
+                state = self._python_rounds(state, numbers, on_token)
         outputs = {
             "tokens": state["tokens"][:, : self.length],
             "acceptance": state["accepted"] / state["proposed"],
@@ -110,9 +112,11 @@ class SpeculativeGenerator(Generator):
         """Rounds from Python (PyTorch, `jit_compile=False`, `on_token`): the
         index is read back once per round (how far a round goes depends on
         the tokens), and `on_token` called for each new position."""
-        index = self.width
+        index, round_ = self.width, self._round
+        if self.compiled_steps is not None:  # PyTorch, jit_compile=True
+            round_ = self._compiled_round(state, numbers)
         while bool(ops.convert_to_numpy(self._running(state))):
-            state = self._round(state, numbers)
+            state = round_(state, numbers)
             new_index = int(ops.convert_to_numpy(state["index"]))
             if on_token is not None:
                 tokens = ops.convert_to_numpy(state["tokens"])
@@ -120,6 +124,19 @@ class SpeculativeGenerator(Generator):
                     on_token(position - self.width, tokens[:, position])
             index = new_index
         return state
+
+    def _compiled_round(self, state, numbers):
+        """PyTorch: the round exported and compiled for these shapes, as
+        `Generator._compiled` does the step (the draft's weights included)."""
+        key = tuple((tuple(x.shape), str(x.dtype)) for x in keras.tree.flatten(state))
+        if key not in self.compiled_steps:
+            from keras_attn.generation import _torch
+
+            layers = [*self.decoding_layers, *self.draft_layers]
+            self.compiled_steps[key] = _torch.compile_step(
+                self._round, list(dict.fromkeys(layers)), state, numbers
+            )
+        return self.compiled_steps[key]
 
     def _round(self, state, numbers):
         """Propose `k` tokens, verify them in one target pass, keep the

@@ -73,6 +73,22 @@ def test_sampling_python_loop_streams_what_the_compiled_loop_returns(gpt):
     )
 
 
+def test_torch_compiled_rounds_replay_like_eager(gpt, cuda_graphs):
+    """PyTorch, `jit_compile=True`: each round exported and compiled once
+    (here replayed as CUDA graphs would be), the draft's weights and caches
+    included; the tokens of the eager rounds."""
+    if BACKEND != "torch":
+        pytest.skip("PyTorch's compiled step (jit_compile=True)")
+    options = dict(
+        max_new_tokens=6, method="sample", seed=2, top_k=5,
+        draft_model=first_block(gpt), num_speculative_tokens=2,
+    )  # fmt: skip
+    compiled = generate(gpt, LEFT_PADDED, jit_compile=True, **options)
+    np.testing.assert_array_equal(compiled, generate(gpt, LEFT_PADDED, **options))
+    assert len(cuda_graphs) == 1 and cuda_graphs[0].replays >= 2
+    assert all(r.written for r in cuda_graphs)  # the caches, in place
+
+
 def exact_histogram(p, q, grid=200):
     """`rejection_sample`'s output distribution for explicit `p`, `q`
     `(V,)`: every draft token (weighted by `q`) against a grid of
@@ -127,8 +143,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
         ({"draft_model": None, "return_acceptance": True}, "return_acceptance"),
         ({"draft_model": "vocabulary"}, "vocabulary_size=7; the target has 13"),
         ({"draft_model": "functions"}, "not `\\(prefill, step\\)`"),
-    ]
-    + ([({"jit_compile": True}, "jit_compile")] if BACKEND == "torch" else []),
+    ],
 )
 def test_bad_speculative_input(gpt, options, match):
     options = {"draft_model": gpt, **options}
