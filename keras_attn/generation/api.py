@@ -414,10 +414,14 @@ def _draft_plan(draft_model, plan):
     if draft_model is None:
         return None
     if isinstance(plan, _FunctionPlan) or not isinstance(draft_model, keras.Model):
+        received = (
+            "a `(prefill, step)` pair as `model`"
+            if isinstance(plan, _FunctionPlan)
+            else f"draft_model of type {type(draft_model).__name__}"
+        )
         raise ValueError(
             "Speculative decoding needs functional keras.Models as `model` and "
-            "`draft_model` (not `(prefill, step)` functions). Received: "
-            f"draft_model of type {type(draft_model).__name__}."
+            f"`draft_model` (not `(prefill, step)` functions). Received: {received}."
         )
     _, draft = _plan(draft_model)
     if draft.vocabulary_size != plan.vocabulary_size:

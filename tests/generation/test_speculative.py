@@ -35,16 +35,18 @@ def first_block(gpt):
 
 
 def test_greedy_with_a_draft_is_greedy(gpt):
-    """Left padding, an end token that ends the second row at once, scores;
-    a draft that partly agrees, and the target as its own draft (accepting
-    every token)."""
-    end = int(np.argmax(to_numpy(gpt(LEFT_PADDED))[1, -1]))  # row 1's first
+    """Left padding, an end token that ends the second row at once (the
+    others run on: every round keeps the fewest tokens they accepted),
+    scores; a draft that partly agrees, and the target as its own draft
+    (accepting every token)."""
+    prompt = np.concatenate([LEFT_PADDED, [[0, 9, 3, 8, 2]]])
+    end = int(np.argmax(to_numpy(gpt(prompt))[1, -1]))  # row 1's first
     options = dict(max_new_tokens=7, end_token_id=end, return_scores=True)
-    tokens, scores = generate(gpt, LEFT_PADDED, **options)
+    tokens, scores = generate(gpt, prompt, **options)
     assert (tokens[1, 6:] == 0).all()  # ended
     for draft, accepted in ((first_block(gpt), (0.0, 1.0)), (gpt, (1.0, 1.0))):
         spec_tokens, spec_scores, acceptance = generate(
-            gpt, LEFT_PADDED, draft_model=draft, num_speculative_tokens=3,
+            gpt, prompt, draft_model=draft, num_speculative_tokens=3,
             return_acceptance=True, **options,
         )  # fmt: skip
         np.testing.assert_array_equal(spec_tokens, tokens)
@@ -53,11 +55,13 @@ def test_greedy_with_a_draft_is_greedy(gpt):
 
 
 def test_sampling_python_loop_streams_what_the_compiled_loop_returns(gpt):
-    """Right-padded rows, seeded; on PyTorch both loops run from Python."""
+    """Right-padded rows, seeded, end tokens not before `min_new_tokens`;
+    on PyTorch both loops run from Python."""
     if BACKEND == "jax":  # eager JAX compiles each op anew: 40 s of suite time
         pytest.skip("the Python rounds are the same ops on every backend")
     options = dict(
-        max_new_tokens=4, method="sample", seed=5, top_k=6,
+        max_new_tokens=5, method="sample", seed=5, top_k=6,
+        end_token_id=[1, 2, 3, 4, 5, 6], min_new_tokens=2,
         draft_model=first_block(gpt), num_speculative_tokens=2,
     )  # fmt: skip
     compiled = generate(gpt, RIGHT_PADDED, **options)
@@ -67,10 +71,11 @@ def test_sampling_python_loop_streams_what_the_compiled_loop_returns(gpt):
         on_token=lambda step, tokens: streamed.append((step, tokens)), **options,
     )  # fmt: skip
     np.testing.assert_array_equal(python, compiled)
-    assert [step for step, _ in streamed] == list(range(4))
-    np.testing.assert_array_equal(  # left-padded while decoding
-        np.stack([t for _, t in streamed], 1), [python[0, 3:7], python[1, 5:9]]
-    )
+    new = np.stack([python[0, 3:8], python[1, 5:10]])  # (rows, new tokens)
+    assert not np.isin(new[:, :2], options["end_token_id"]).any()
+    steps = len(streamed)  # fewer if every row ended
+    assert [step for step, _ in streamed] == list(range(steps))
+    np.testing.assert_array_equal(np.stack([t for _, t in streamed], 1), new[:, :steps])
 
 
 def test_torch_compiled_rounds_replay_like_eager(gpt, cuda_graphs):
