@@ -208,7 +208,7 @@ def generate(
     ...     model, [[3, 4, 5], [6]], max_new_tokens=0).tolist()
     [[3, 4, 5], [6, 0, 0]]
     >>> fast, acceptance = keras_attn.generation.generate(
-    ...     model, [[3, 4, 5]], 8, draft_model=model, num_speculative_tokens=2,
+    ...     model, [[3, 4, 5]], 8, draft_model=model, num_speculative_tokens=1,
     ...     return_acceptance=True)  # a draft that always agrees
     >>> plain = keras_attn.generation.generate(model, [[3, 4, 5]], 8)
     >>> bool(np.all(fast == plain)), acceptance

@@ -14,6 +14,7 @@ from keras_attn.generation.strategies import counter_uniform
 from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.builders import GENERATION_WIDTH as WIDTH
 from tests.helpers.builders import one_decoder_model
+from tests.helpers.references import reference_decode
 
 LEFT_PADDED = np.array([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10]], "int32")
 RIGHT_PADDED = [[3, 5, 6], [6, 7, 8, 9, 10]]  # a list: right-padded
@@ -34,6 +35,20 @@ def first_block(gpt):
     return draft
 
 
+def plain_greedy(model, prompt, new_tokens, end):
+    """Greedy decoding of left-padded rows as Hugging Face runs it (the
+    model on each whole prefix): `(tokens, scores)`, `generate`'s layout."""
+    tokens, scores = [], []
+    for row in prompt:
+        pads = int(np.sum(row == 0))
+        found = reference_decode(
+            model, row[pads:], len(row) - pads + new_tokens, end_token_ids=(end,)
+        )
+        tokens.append([0] * pads + found[0])
+        scores.append([0.0] * pads + found[1])
+    return np.array(tokens), np.array(scores)
+
+
 def test_greedy_with_a_draft_is_greedy(gpt):
     """Left padding, an end token that ends the second row at once (the
     others run on: every round keeps the fewest tokens they accepted),
@@ -42,7 +57,7 @@ def test_greedy_with_a_draft_is_greedy(gpt):
     prompt = np.concatenate([LEFT_PADDED, [[0, 9, 3, 8, 2]]])
     end = int(np.argmax(to_numpy(gpt(prompt))[1, -1]))  # row 1's first
     options = dict(max_new_tokens=7, end_token_id=end, return_scores=True)
-    tokens, scores = generate(gpt, prompt, **options)
+    tokens, scores = plain_greedy(gpt, prompt, 7, end)
     assert (tokens[1, 6:] == 0).all()  # ended
     for draft, accepted in ((first_block(gpt), (0.0, 1.0)), (gpt, (1.0, 1.0))):
         spec_tokens, spec_scores, acceptance = generate(
@@ -50,7 +65,7 @@ def test_greedy_with_a_draft_is_greedy(gpt):
             return_acceptance=True, **options,
         )  # fmt: skip
         np.testing.assert_array_equal(spec_tokens, tokens)
-        np.testing.assert_allclose(spec_scores, scores, atol=1e-5)
+        np.testing.assert_allclose(spec_scores, scores, atol=1e-4)
         assert accepted[0] <= acceptance <= accepted[1]
 
 
