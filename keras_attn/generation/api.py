@@ -234,9 +234,7 @@ def generate(
         settings, prompt.shape[1], pads, right_padded
     )
     # A speculative round runs up to k - 1 positions past `length`.
-    for checked in (plan, draft and draft[1]):
-        if checked:
-            prompts.check_positions(length + max(k - 1, 0), pads, checked.max_positions)
+    prompts.check_positions(length + max(k - 1, 0), pads, plan.max_positions)
     if plan.vocabulary_size is not None:
         prompts.check_token_ids(
             prompt,
@@ -247,10 +245,7 @@ def generate(
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
     sources = {f"encoder_{i}": x for i, x in enumerate(sources)}
     if draft:
-        draft_sources = prompts.check_sources(
-            draft[1].split_inputs(inputs)[1], draft[1].source_specs, prompt.shape[0]
-        )
-        sources.update({f"draft_encoder_{i}": x for i, x in enumerate(draft_sources)})
+        sources.update(_draft_sources(draft[1], inputs, length + k - 1, pads))
         draft = (*draft, k)
     plan.warn_if_probabilities(method)
     outputs = _decode(
@@ -406,6 +401,16 @@ def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
 
 def _function_key(function):
     return getattr(function, "__func__", function)
+
+
+def _draft_sources(plan, inputs, positions, pads):
+    """The draft's encoder inputs, checked, by batch key; raises if the draft
+    would run past its position table."""
+    prompts.check_positions(positions, pads, plan.max_positions)
+    sources = prompts.check_sources(
+        plan.split_inputs(inputs)[1], plan.source_specs, len(pads)
+    )
+    return {f"draft_encoder_{i}": x for i, x in enumerate(sources)}
 
 
 def _draft_plan(draft_model, plan):
