@@ -21,6 +21,14 @@ feed-forward 128, vocabulary 1000, batch 2, an 8-token prompt), greedy:
 - `keras-hub cached`: the same loop built from `keras_hub.layers` decoders
   with their `self_attention_cache`, compiled the same way as ours.
 
+With `--speculative`, speculative decoding instead: a target of the same
+sizes with `--extra-blocks` more blocks, initialised near the identity (their
+kernels scaled by 0.1), and the draft the model without them (the same
+weights), so the draft agrees often; greedy tokens/s of the target alone and
+with the draft (`num_speculative_tokens` from `--k`), and the acceptance rate.
+A real draft is distilled from its target; this one only stands in for a draft
+that agrees often.
+
 Tokens/s are per batch: new positions per second, each filled for every row.
 Every row is the median of `--calls` calls after a warm-up call (the decoders'
 calls interleaved; `benchmarks/timing.py`), whose time (compiling) is reported
@@ -136,8 +144,13 @@ def main(argv=None):
     parser.add_argument("--naive-steps", type=int, default=16)
     parser.add_argument("--no-keras-hub", action="store_true")
     parser.add_argument("--results", default=RESULTS, help="Output folder.")
+    parser.add_argument("--speculative", action="store_true")
+    parser.add_argument("--extra-blocks", type=int, default=14)
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
     backend = keras.config.backend()
+    if args.speculative:
+        return speculative(backend, args)
     keras.utils.set_random_seed(0)
     model = keras_attn_model()
     model.compile(jit_compile=backend != "torch")
@@ -260,6 +273,82 @@ def write_tables(backend, rows, first_calls, numbers, args):
     text = "\n".join(lines) + "\n"
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, f"generation_{backend}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return text
+
+
+def speculative_models(extra_blocks):
+    """`(target, draft)`: the draft is this benchmark's model; the target the
+    same weights with `extra_blocks` pre-norm blocks after its blocks, near
+    the identity (every kernel of theirs scaled by 0.1: each adds about a
+    hundredth of its input's scale to the residual stream)."""
+    keras.utils.set_random_seed(0)
+    draft = keras_attn_model()
+    target = keras_attn_model(layers=LAYERS + extra_blocks)
+    ours = [*draft.layers[1 : 2 + LAYERS], *draft.layers[-2:]]
+    theirs = [*target.layers[1 : 2 + LAYERS], *target.layers[-2:]]
+    for mine, its in zip(ours, theirs, strict=True):
+        its.set_weights(mine.get_weights())
+    for block in target.layers[2 + LAYERS : -2]:
+        block.set_weights([w * 0.1 if w.ndim > 1 else w for w in block.get_weights()])
+    return target, draft
+
+
+def speculative(backend, args):
+    """Greedy tokens/s of the target alone and with the draft, per length
+    and k; the acceptance rate. Writes `generation_speculative_<backend>.md`."""
+    target, draft = speculative_models(args.extra_blocks)
+    prompt = (
+        np.random.default_rng(0).integers(1, VOCAB, (BATCH, PROMPT)).astype("int32")
+    )
+    rows = []
+    for length in args.lengths:
+        plain = generate(target, prompt, length)
+        calls, acceptance = (
+            {"target alone": lambda n=length: generate(target, prompt, n)},
+            {},
+        )
+        for k in args.k:
+            tokens, acceptance[k] = generate(
+                target, prompt, length, draft_model=draft,
+                num_speculative_tokens=k, return_acceptance=True,
+            )  # fmt: skip
+            assert (tokens == plain).all(), "speculative greedy != greedy"
+            calls[f"draft, k={k}"] = lambda k=k, n=length: generate(
+                target, prompt, n, draft_model=draft, num_speculative_tokens=k
+            )
+        timings = time_calls(calls, args.calls)
+        alone = timings["target alone"].median
+        for name, timing in timings.items():
+            k = None if name == "target alone" else int(name.split("=")[1])
+            rows.append(
+                (length, name, (length - PROMPT) / timing.median, alone / timing.median,
+                 acceptance.get(k), timing.first)
+            )  # fmt: skip
+            print(f"length {length}, {name}: {rows[-1][2]:,.0f} tok/s", flush=True)
+    lines = [
+        f"### Speculative decoding, `KERAS_BACKEND={backend}` (batch {BATCH}, "
+        f"prompt {PROMPT}, target {LAYERS + args.extra_blocks} blocks, draft "
+        f"{LAYERS}, width {WIDTH}, vocabulary {VOCAB}, greedy)",
+        "",
+        f"Each row: {describe(args.calls)}, interleaved. Tokens equal plain "
+        "greedy's (checked).",
+        "",
+        "| max_length | decoder | tokens/s per batch | speedup | acceptance "
+        "| first call, s |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for length, name, rate, speedup, accepted, first in rows:
+        shown = "" if accepted is None else f"{accepted:.2f}"
+        lines.append(
+            f"| {length} | {name} | {rate:,.0f} | {speedup:.2f}x | {shown} "
+            f"| {first:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    os.makedirs(args.results, exist_ok=True)
+    name = f"generation_speculative_{backend}.md"
+    with open(os.path.join(args.results, name), "w") as f:
         f.write(text)
     print(text)
     return text

@@ -34,13 +34,19 @@ class ModelAdapter:
     caches are rolled into new ones.
     """
 
-    def __init__(self, plan, length):
+    def __init__(self, plan, length, roll=True):
         self.plan = plan
         self.layers = plan.layers
         # Per decoder: whether its cache rolls over its window (see
         # `_rolling_call`): sinks and window fewer than the positions.
+        # `roll=False` keeps full caches (speculative decoding moves the index
+        # back, which a rolled cache cannot undo).
         self.rolling = [
-            bool(layer.sliding_window and layer.sliding_window + _sinks(layer) < length)
+            bool(
+                roll
+                and layer.sliding_window
+                and layer.sliding_window + _sinks(layer) < length
+            )
             for layer in plan.decoders
         ]
         self.write = None  # `keras.ops.slice_update`
@@ -81,13 +87,18 @@ class ModelAdapter:
         The layers skip their call checks (`checked_upstream`): `generate`
         checked its inputs, and a step reads no tensor back to the host.
         """
-        token = token[:, None]
-        mask = padding_mask(self.plan.embedding, token)
+        logits, state = self.extend(token[:, None], index, state)
+        return logits[:, -1], state
+
+    def extend(self, token_ids, index, state):
+        """New tokens `(B, T)` at positions `index, ..., index + T - 1`:
+        `(logits (B, T, V), state)`. Speculative decoding verifies a draft's
+        `T` tokens in one pass; the causal mask is offset by `index`."""
+        mask = padding_mask(self.plan.embedding, token_ids)
         if mask is not None:  # a padding id is padding to the model, too
             state = {**state, "keys": ops.slice_update(state["keys"], [0, index], mask)}
         with checked_upstream():
-            logits, state = self._run(token, index, state)
-        return logits[:, -1], state
+            return self._run(token_ids, index, state)
 
     def grow(self, state, size):
         """Caches and key mask padded to `size` positions (zeros, not padding);

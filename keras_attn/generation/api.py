@@ -11,7 +11,8 @@ from keras_attn.generation import prompts
 from keras_attn.generation.adapter import FunctionAdapter, ModelAdapter
 from keras_attn.generation.graph import GraphPlan
 from keras_attn.generation.loop import Generator
-from keras_attn.generation.settings import Settings
+from keras_attn.generation.settings import Settings, check_speculation
+from keras_attn.generation.speculative import SpeculativeGenerator
 
 _PLANS = weakref.WeakKeyDictionary()  # model -> its GraphPlan, read once
 _GENERATORS = weakref.WeakKeyDictionary()  # model -> {key: Generator}
@@ -37,6 +38,9 @@ def generate(
     return_scores=False,
     on_token=None,
     jit_compile="auto",
+    draft_model=None,
+    num_speculative_tokens=4,
+    return_acceptance=False,
 ):
     """Generate token ids with cached decoding from a keras_attn model.
 
@@ -151,12 +155,40 @@ def generate(
             the step eagerly from a Python loop everywhere (for debugging).
             Compiled loops are kept per model, settings, prompt width, length
             and (on PyTorch) batch size.
+        draft_model: a functional `keras.Model` as `model` is, keyword only:
+            speculative decoding (Leviathan et al., 2022). Each round the
+            draft proposes `num_speculative_tokens` tokens one at a time
+            (with its own caches), the target scores them in one pass, and
+            every row keeps the longest prefix all running rows accepted,
+            plus the target's own next token. `"greedy"` gives the tokens
+            of plain greedy decoding; `"sample"` accepts a draft token `x`
+            with probability `min(1, p(x) / q(x))`, else draws from
+            `max(0, p - q)` (`p`, `q`: the target's and the draft's
+            distributions after `temperature`, `top_k`, `top_p`), so the
+            tokens follow the target's distribution (not the same draws as
+            without a draft). It must take the target's inputs and score
+            the same vocabulary. Not with `"beam"`, a `repetition_penalty`
+            or `(prefill, step)` functions. Compiled as one `while_loop` on
+            JAX and TensorFlow; on PyTorch (and with `on_token` or
+            `jit_compile=False`) the rounds run from Python, which reads the
+            index back once per round, and `jit_compile=True` compiles the
+            round as it does the step. Sliding-window decoders keep full
+            caches (no rolling).
+        num_speculative_tokens: int >= 1, keyword only. Draft tokens per
+            round. Defaults to `4`; only with `draft_model`.
+        return_acceptance: bool, keyword only. Also return the draft's
+            acceptance rate, a float: draft tokens the target accepted over
+            those proposed, counted over the rows still running (NaN if
+            nothing was proposed). Only with `draft_model`.
 
     Returns:
         numpy int32 array `(batch, length)`: each prompt followed by its
         generated tokens. With `return_scores=True`, a tuple `(tokens,
         scores)`, scores float32 `(batch, length)`: 0 at the prompt and
-        after a row's end.
+        after a row's end (with a draft model, the target's log-probability
+        of each token). With `return_acceptance=True`, the acceptance rate
+        comes last: `(tokens, acceptance)` or `(tokens, scores,
+        acceptance)`.
 
     Example:
     >>> ids = keras.Input((None,), dtype="int32")
@@ -175,6 +207,12 @@ def generate(
     >>> keras_attn.generation.generate(
     ...     model, [[3, 4, 5], [6]], max_new_tokens=0).tolist()
     [[3, 4, 5], [6, 0, 0]]
+    >>> fast, acceptance = keras_attn.generation.generate(
+    ...     model, [[3, 4, 5]], 8, draft_model=model, num_speculative_tokens=1,
+    ...     return_acceptance=True)  # a draft that always agrees
+    >>> plain = keras_attn.generation.generate(model, [[3, 4, 5]], 8)
+    >>> bool(np.all(fast == plain)), acceptance
+    (True, 1.0)
     """
     settings = Settings.from_arguments(
         method, end_token_id, pad_token_id, return_scores,
@@ -185,13 +223,18 @@ def generate(
     )  # fmt: skip
     _check_call_options(settings, on_token)
     jit_compile = _jit_compile(jit_compile)
+    k = check_speculation(
+        settings, draft_model, num_speculative_tokens, return_acceptance
+    )
     owner, plan = _plan(model)
+    draft = _draft_plan(draft_model, plan)
     prompt, sources = plan.split_inputs(inputs)
     prompt, pads, right_padded = prompts.left_pad(prompt, settings.pad_token_id)
     length, returned = prompts.decoding_length(
         settings, prompt.shape[1], pads, right_padded
     )
-    prompts.check_positions(length, pads, plan.max_positions)
+    # A speculative round runs up to k - 1 positions past `length`.
+    prompts.check_positions(length + max(k - 1, 0), pads, plan.max_positions)
     if plan.vocabulary_size is not None:
         prompts.check_token_ids(
             prompt,
@@ -200,17 +243,27 @@ def generate(
             end_token_id=settings.end_token_ids,
         )
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
+    sources = {f"encoder_{i}": x for i, x in enumerate(sources)}
+    if draft:
+        sources.update(_draft_sources(draft[1], inputs, length + k - 1, pads))
+        draft = (*draft, k)
     plan.warn_if_probabilities(method)
     outputs = _decode(
-        owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token
-    )
+        owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token,
+        draft,
+    )  # fmt: skip
     tokens = prompts.to_user_layout(
         outputs["tokens"].astype("int32"), pads, right_padded, returned, pad_token_id
     )
-    if not return_scores:
-        return tokens
-    scores = outputs["scores"].astype("float32")
-    return tokens, prompts.to_user_layout(scores, pads, right_padded, returned, 0.0)
+    results = [tokens]
+    if return_scores:
+        scores = outputs["scores"].astype("float32")
+        results.append(
+            prompts.to_user_layout(scores, pads, right_padded, returned, 0.0)
+        )
+    if return_acceptance:
+        results.append(float(outputs.get("acceptance", np.nan)))
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def _check_call_options(settings, on_token):
@@ -238,23 +291,20 @@ def _jit_compile(jit_compile):
 
 
 def _decode(
-    owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token
+    owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token, draft
 ):
-    """Tokens and scores as numpy; with no new position, the prompts
-    themselves (the model need not run)."""
+    """Tokens and scores (and with a draft, the acceptance rate) as numpy;
+    with no new position, the prompts themselves (the model need not run)."""
     if length == prompt.shape[1]:
         return {"tokens": prompt, "scores": np.zeros(prompt.shape, "float32")}
-    generator = _generator(owner, plan, settings, prompt.shape[1], length, jit_compile)
+    generator = _generator(
+        owner, plan, settings, prompt.shape[1], length, jit_compile, draft
+    )
     return _run(generator, settings, prompt, pads, sources, on_token)
 
 
 def _run(generator, settings, prompt, pads, sources, on_token):
-    batch = {
-        "prompt": prompt,
-        "pads": pads,
-        **settings.numbers(),
-        **{f"encoder_{i}": x for i, x in enumerate(sources)},
-    }
+    batch = {"prompt": prompt, "pads": pads, **settings.numbers(), **sources}
     # PyTorch loops in Python anyway; `predict_on_batch` adds no_grad.
     compiled = generator.jit_compile or keras.config.backend() == "torch"
     if on_token is None and compiled:
@@ -319,16 +369,25 @@ class _FunctionPlan:
         pass
 
 
-def _generator(owner, plan, settings, width, length, jit_compile):
+def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
     """The compiled loop for these settings, prompt width and length, and
     Keras' flash attention switch (which the attention plan reads when the
-    loop is traced)."""
+    loop is traced); with `draft`, `(draft model, its plan, k)`, speculative."""
     functions = getattr(plan, "functions", None)
     functions_key = functions and tuple(map(_function_key, functions))
     flash = keras.config.is_flash_attention_enabled()
-    key = (settings, width, length, jit_compile, functions_key, flash)
+    draft_key = draft and (draft[0], draft[2])
+    key = (settings, width, length, jit_compile, functions_key, flash, draft_key)
     cache = _GENERATORS.setdefault(owner, {})
     if key in cache:
+        return cache[key]
+    if draft:
+        size = length + draft[2] + 1
+        cache[key] = SpeculativeGenerator(
+            ModelAdapter(plan, size, roll=False),
+            ModelAdapter(draft[1], size, roll=False),
+            settings, width, length, draft[2], jit_compile,
+        )  # fmt: skip
         return cache[key]
     if functions:
         adapter = FunctionAdapter(functions, length)
@@ -342,3 +401,46 @@ def _generator(owner, plan, settings, width, length, jit_compile):
 
 def _function_key(function):
     return getattr(function, "__func__", function)
+
+
+def _draft_sources(plan, inputs, positions, pads):
+    """The draft's encoder inputs, checked, by batch key; raises if the draft
+    would run past its position table."""
+    prompts.check_positions(positions, pads, plan.max_positions)
+    sources = prompts.check_sources(
+        plan.split_inputs(inputs)[1], plan.source_specs, len(pads)
+    )
+    return {f"draft_encoder_{i}": x for i, x in enumerate(sources)}
+
+
+def _draft_plan(draft_model, plan):
+    """`(draft model, its GraphPlan)`, checked against the target's `plan`,
+    or None without a draft."""
+    if draft_model is None:
+        return None
+    if isinstance(plan, _FunctionPlan) or not isinstance(draft_model, keras.Model):
+        received = (
+            "a `(prefill, step)` pair as `model`"
+            if isinstance(plan, _FunctionPlan)
+            else f"draft_model of type {type(draft_model).__name__}"
+        )
+        raise ValueError(
+            "Speculative decoding needs functional keras.Models as `model` and "
+            f"`draft_model` (not `(prefill, step)` functions). Received: {received}."
+        )
+    _, draft = _plan(draft_model)
+    if draft.vocabulary_size != plan.vocabulary_size:
+        raise ValueError(
+            "`draft_model` must score the target's vocabulary. Received a "
+            f"draft with vocabulary_size={draft.vocabulary_size}; the target "
+            f"has {plan.vocabulary_size}."
+        )
+    if len(draft.inputs) != len(plan.inputs) or len(draft.source_specs) != len(
+        plan.source_specs
+    ):
+        raise ValueError(
+            "`draft_model` must take the target's inputs (decoder-only, or "
+            "the same encoder inputs). Received a draft with "
+            f"{len(draft.inputs)} inputs; the target has {len(plan.inputs)}."
+        )
+    return draft_model, draft

@@ -192,3 +192,39 @@ def _check_float(name, value, expected, valid):
         raise ValueError(
             f"`{name}` must be a number {expected}. Received: {name}={value!r}."
         )
+
+
+def check_speculation(settings, draft_model, k, return_acceptance):
+    """Refuse what speculative decoding cannot do, naming the argument;
+    returns the draft tokens per round (`0`: no draft model)."""
+    if not isinstance(return_acceptance, bool):
+        raise TypeError(
+            "`return_acceptance` must be a bool. "
+            f"Received: return_acceptance={return_acceptance!r}."
+        )
+    if draft_model is None:
+        if return_acceptance:
+            raise ValueError(
+                "`return_acceptance=True` reports a draft model's acceptance "
+                "rate: pass a `draft_model`. Received draft_model=None."
+            )
+        if k != 4:
+            raise ValueError(
+                "`num_speculative_tokens` only applies with a `draft_model`. "
+                f"Received num_speculative_tokens={k!r} and draft_model=None."
+            )
+        return 0
+    _check_int("num_speculative_tokens", k, minimum=1)
+    refused = {
+        "method": (settings.method == "beam", "speculative decoding needs "
+                   "method='greedy' or 'sample', not 'beam'"),
+        "repetition_penalty": (settings.penalized, "the penalty would depend on "
+                               "draft tokens not yet accepted; leave it at 1.0"),
+    }  # fmt: skip
+    for name, (bad, why) in refused.items():
+        if bad:
+            value = getattr(settings, name, True)
+            raise ValueError(
+                f"`{name}={value!r}` cannot be used with a `draft_model`: {why}."
+            )
+    return k

@@ -45,6 +45,19 @@ def counter_uniform(seed, rows, step):
     return ops.cast(_shift_right(x, 8), "float32") * (1.0 / (1 << 24))
 
 
+def draw(weights, uniform):
+    """int32 `(...)`: a token per row of `weights` `(..., V)` (probabilities,
+    or any nonnegative weights), by inverting their cumulative sum at
+    `uniform` `(...)`."""
+    cumulative = ops.cumsum(weights, axis=-1)
+    target = uniform[..., None] * cumulative[..., -1:]
+    token = ops.sum(ops.cast(cumulative <= target, "int32"), axis=-1)
+    # Rounding can put the target past the last token with mass.
+    vocabulary = weights.shape[-1]
+    last = vocabulary - 1 - ops.argmax(ops.flip(weights > 0, axis=-1), -1)
+    return ops.minimum(token, ops.cast(last, "int32"))
+
+
 class Greedy:
     """The most likely token."""
 
@@ -65,16 +78,8 @@ class Sample(Greedy):
     def choose(self, logits, state, numbers):
         rows = ops.arange(ops.shape(logits)[0], dtype="int32")
         uniform = counter_uniform(numbers["seed"], rows, state["index"])
-        probabilities = ops.softmax(logits, axis=-1)
-        cumulative = ops.cumsum(probabilities, axis=-1)
-        target = uniform[:, None] * cumulative[:, -1:]
-        token = ops.sum(ops.cast(cumulative <= target, "int32"), axis=-1)
-        # Rounding can put the target past the last token with mass.
-        vocabulary = logits.shape[-1]
-        last = vocabulary - 1 - ops.argmax(ops.flip(probabilities > 0, axis=-1), -1)
-        return _with_log_prob(
-            ops.minimum(token, ops.cast(last, "int32")), logits, state
-        )
+        token = draw(ops.softmax(logits, axis=-1), uniform)
+        return _with_log_prob(token, logits, state)
 
 
 class BeamSearch:

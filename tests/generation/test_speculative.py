@@ -1,0 +1,174 @@
+"""Speculative decoding: greedy with a draft is greedy (a draft that always
+agrees, one that partly agrees; padding, end tokens);
+the rejection rule keeps the target's distribution; seeded sampling is
+reproducible and the compiled and Python loops agree; bad input."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_attn.generation import generate
+from keras_attn.generation.speculative import rejection_sample
+from keras_attn.generation.strategies import counter_uniform
+from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.builders import GENERATION_WIDTH as WIDTH
+from tests.helpers.builders import one_decoder_model
+from tests.helpers.references import reference_decode
+
+LEFT_PADDED = np.array([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10]], "int32")
+RIGHT_PADDED = [[3, 5, 6], [6, 7, 8, 9, 10]]  # a list: right-padded
+
+
+def first_block(gpt):
+    """A draft that mostly agrees: the target without its second block (a
+    model of its own, with the target's embedding, first block, norm and
+    head weights)."""
+    ids = keras.Input((None,), dtype="int32")
+    layers = [gpt.layers[i] for i in (1, 2, 5, 6)]
+    x = ids
+    for layer in layers:
+        x = layer.__class__.from_config(layer.get_config())(x)
+    draft = keras.Model(ids, x)
+    for copy, layer in zip(draft.layers[1:], layers, strict=True):
+        copy.set_weights(layer.get_weights())
+    return draft
+
+
+def plain_greedy(model, prompt, new_tokens, end):
+    """Greedy decoding of left-padded rows as Hugging Face runs it (the
+    model on each whole prefix): `(tokens, scores)`, `generate`'s layout."""
+    tokens, scores = [], []
+    for row in prompt:
+        pads = int(np.sum(row == 0))
+        found = reference_decode(
+            model, row[pads:], len(row) - pads + new_tokens, end_token_ids=(end,)
+        )
+        tokens.append([0] * pads + found[0])
+        scores.append([0.0] * pads + found[1])
+    return np.array(tokens), np.array(scores)
+
+
+def test_greedy_with_a_draft_is_greedy(gpt):
+    """Left padding, an end token that ends the second row at once (the
+    others run on: every round keeps the fewest tokens they accepted),
+    scores; a draft that partly agrees. (The target as its own draft, which
+    accepts every token: `generate`'s docstring example.)"""
+    prompt = np.concatenate([LEFT_PADDED, [[0, 9, 3, 8, 2]]])
+    end = int(np.argmax(to_numpy(gpt(prompt))[1, -1]))  # row 1's first
+    tokens, scores = plain_greedy(gpt, prompt, 7, end)
+    assert (tokens[1, 6:] == 0).all()  # ended
+    spec_tokens, spec_scores, acceptance = generate(
+        gpt, prompt, max_new_tokens=7, end_token_id=end, return_scores=True,
+        draft_model=first_block(gpt), num_speculative_tokens=3,
+        return_acceptance=True,
+    )  # fmt: skip
+    np.testing.assert_array_equal(spec_tokens, tokens)
+    np.testing.assert_allclose(spec_scores, scores, atol=1e-4)
+    assert 0.0 <= acceptance <= 1.0
+
+
+# Eager JAX compiles each op anew (40 s of suite time); the Python rounds are
+# the same ops on every backend.
+@pytest.mark.skipif(BACKEND == "jax", reason="eager JAX: 40 s")
+def test_sampling_python_loop_streams_what_the_compiled_loop_returns(gpt):
+    """Right-padded rows, seeded, end tokens not before `min_new_tokens`;
+    on PyTorch both loops run from Python."""
+    options = dict(
+        max_new_tokens=5, method="sample", seed=5, top_k=6,
+        end_token_id=[1, 2, 3, 4, 5, 6], min_new_tokens=2,
+        draft_model=first_block(gpt), num_speculative_tokens=2,
+    )  # fmt: skip
+    compiled = generate(gpt, RIGHT_PADDED, **options)
+    streamed = []
+    python = generate(
+        gpt, RIGHT_PADDED, jit_compile=False,
+        on_token=lambda step, tokens: streamed.append((step, tokens)), **options,
+    )  # fmt: skip
+    np.testing.assert_array_equal(python, compiled)
+    new = np.stack([python[0, 3:8], python[1, 5:10]])  # (rows, new tokens)
+    assert not np.isin(new[:, :2], options["end_token_id"]).any()
+    steps = len(streamed)  # fewer if every row ended
+    assert [step for step, _ in streamed] == list(range(steps))
+    np.testing.assert_array_equal(np.stack([t for _, t in streamed], 1), new[:, :steps])
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's jit_compile=True")
+def test_torch_compiled_rounds_replay_like_eager(gpt, cuda_graphs):
+    """PyTorch, `jit_compile=True`: each round exported and compiled once
+    (here replayed as CUDA graphs would be), the draft's weights and caches
+    included; the tokens of the eager rounds."""
+    options = dict(
+        max_new_tokens=6, method="sample", seed=2, top_k=5,
+        draft_model=first_block(gpt), num_speculative_tokens=2,
+    )  # fmt: skip
+    compiled = generate(gpt, LEFT_PADDED, jit_compile=True, **options)
+    np.testing.assert_array_equal(compiled, generate(gpt, LEFT_PADDED, **options))
+    assert len(cuda_graphs) == 1 and cuda_graphs[0].replays >= 2
+    assert all(r.written for r in cuda_graphs)  # the caches, in place
+
+
+def exact_histogram(p, q, grid=200):
+    """`rejection_sample`'s output distribution for explicit `p`, `q`
+    `(V,)`: every draft token (weighted by `q`) against a grid of
+    acceptance and residual uniforms."""
+    vocabulary = len(p)
+    u = (np.arange(grid) + 0.5) / grid
+    x = np.repeat(np.arange(vocabulary), grid)  # (V * grid,)
+    u_accept, u_residual = np.tile(u, vocabulary), np.tile(u[::-1], vocabulary)
+    rows = len(x)
+    accepted, replacement = rejection_sample(
+        ops.convert_to_tensor(np.tile(p, (rows, 1)), "float32"),
+        ops.convert_to_tensor(np.tile(q, (rows, 1)), "float32"),
+        ops.convert_to_tensor(x, "int32"),
+        ops.convert_to_tensor(u_accept, "float32"),
+        ops.convert_to_tensor(u_residual, "float32"),
+    )
+    accepted, replacement = to_numpy(accepted), to_numpy(replacement)
+    accept_rate = accepted.reshape(vocabulary, grid).mean(1)  # (V,) per draft x
+    residual = np.bincount(replacement[:grid], minlength=vocabulary) / grid
+    return q * accept_rate + (1 - np.sum(q * accept_rate)) * residual, accepted
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    p = np.array([0.5, 0.3, 0.15, 0.05, 0.0])
+    q = np.array([0.2, 0.1, 0.3, 0.3, 0.1])
+    found, _ = exact_histogram(p, q)
+    np.testing.assert_allclose(found, p, atol=5e-3)
+    _, accepted = exact_histogram(q, q)  # the same distribution: all accepted
+    assert accepted.all()
+    # With the hash's draws: draft tokens, acceptance and residual streams.
+    rows = ops.arange(4000, dtype="int32")
+    seed = ops.convert_to_tensor([11], "int32")
+    draws = [to_numpy(counter_uniform(seed, rows, stream)) for stream in range(3)]
+    x = np.searchsorted(np.cumsum(q), draws[0], side="right")
+    accepted, replacement = rejection_sample(
+        ops.convert_to_tensor(np.tile(p, (4000, 1)), "float32"),
+        ops.convert_to_tensor(np.tile(q, (4000, 1)), "float32"),
+        ops.convert_to_tensor(np.minimum(x, 4), "int32"),
+        *(ops.convert_to_tensor(d, "float32") for d in draws[1:]),
+    )
+    tokens = np.where(to_numpy(accepted), np.minimum(x, 4), to_numpy(replacement))
+    np.testing.assert_allclose(np.bincount(tokens, minlength=5) / 4000, p, atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"method": "beam"}, "method='beam'"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"draft_model": None, "num_speculative_tokens": 2}, "only applies with"),
+        ({"draft_model": None, "return_acceptance": True}, "return_acceptance"),
+        ({"draft_model": "vocabulary"}, "vocabulary_size=7; the target has 13"),
+        ({"draft_model": "functions"}, "not `\\(prefill, step\\)`"),
+    ],
+)
+def test_bad_speculative_input(gpt, options, match):
+    options = {"draft_model": gpt, **options}
+    if options["draft_model"] == "vocabulary":
+        options["draft_model"] = one_decoder_model(7, WIDTH)[0]
+    elif options["draft_model"] == "functions":
+        options["draft_model"] = (lambda *a: None, lambda *a: None)
+    with pytest.raises(ValueError, match=match):
+        generate(gpt, LEFT_PADDED, max_new_tokens=2, **options)
