@@ -92,11 +92,13 @@ def flat_numpy(outputs):
     return [to_numpy(x) for x in keras.tree.flatten(outputs)]
 
 
-def value_and_gradients(fn, *arrays):
+def value_and_gradients(fn, *arrays, cotangent=None):
     """`fn(*arrays)` and the gradients of `sum(fn(*arrays) * c)` for a fixed
-    random `c`, as numpy arrays, with the backend's own autodiff."""
+    random `c` (or `cotangent`, an array of the output's shape), as numpy
+    arrays, with the backend's own autodiff."""
     tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
-    cotangent = None
+    if cotangent is not None:
+        cotangent = keras.ops.convert_to_tensor(cotangent)
 
     def loss(*xs):
         nonlocal cotangent
