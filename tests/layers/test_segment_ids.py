@@ -7,19 +7,27 @@ import numpy as np
 import pytest
 
 from keras_attn import MultiHeadAttention, TransformerDecoder, TransformerEncoder
-from tests.helpers.backend import BACKEND, to_numpy, value_and_gradients
+from keras_attn.layers._attention_call import AttentionCall
+from tests.helpers.backend import (
+    BACKEND,
+    compiled_value_and_gradients,
+    to_numpy,
+    value_and_gradients,
+)
 from tests.helpers.builders import random_floats
 
 WIDTH = 8
-# Row 0 packs documents of 3 and 5 tokens (ids 4 and 9), row 1 of 5 and 3.
-LENGTHS = ((3, 5), (5, 3))
-SEGMENT_IDS = np.array([[4] * 3 + [9] * 5, [0] * 5 + [-2] * 3], dtype="int32")
+# Two documents of 4 tokens a row (ids 4 and 9; 0 and -2): one shape for
+# the documents alone, one compilation on JAX. Uneven lengths:
+# tests/ops/test_positions.py.
+LENGTHS = ((4, 4), (4, 4))
+SEGMENT_IDS = np.array([[4] * 4 + [9] * 4, [0] * 4 + [-2] * 4], dtype="int32")
 ROPE = dict(rope_max_wavelength=100.0)
 
 
 def documents(packed):
     """The documents of the packed rows, those of one length stacked:
-    `{length: (2, length, ...)}`."""
+    `{length: (documents, length, ...)}`."""
     pieces = {}
     for row, lengths in enumerate(LENGTHS):
         start = 0
@@ -38,37 +46,39 @@ def compiled(fn):
     return jax.jit(fn)
 
 
-def packed_equals_separate(layer_call, x, gradients=True, **kwargs):
-    """`layer_call` on the packed rows with `segment_ids` equals it on the
+def packed_equals_separate(layer, x, gradients=True, **kwargs):
+    """`layer` on the packed rows with `segment_ids` equals it on the
     documents alone, forward and (with `gradients`) the gradient of the
     input (so no gradient crosses a document's border), at 1e-5 in float32."""
-    layer_call(x[:1, :3], **kwargs)  # built outside the gradient
-    packed_call = compiled(lambda x: layer_call(x, segment_ids=SEGMENT_IDS, **kwargs))
-    alone = compiled(lambda x: layer_call(x, **kwargs))
-    if not gradients:
-        packed = to_numpy(packed_call(x))
-        for length, piece in documents(x).items():
-            theirs = to_numpy(alone(piece))
-            np.testing.assert_allclose(
-                documents(packed)[length], theirs, atol=1e-5, rtol=1e-5
-            )
-        return
-    cotangent = random_floats(*x.shape, seed=9)  # the same for both
-    packed, (grad,) = value_and_gradients(packed_call, x, cotangent=cotangent)
-    ours = {"output": documents(packed), "gradient": documents(grad)}
-    pieces = documents(cotangent)
-    for length, piece in documents(x).items():
-        theirs, (grad,) = value_and_gradients(alone, piece, cotangent=pieces[length])
-        for name, array in (("output", theirs), ("gradient", grad)):
-            np.testing.assert_allclose(
-                ours[name][length], array, atol=1e-5, rtol=1e-5, err_msg=name
-            )
+    layer.build(x.shape)  # outside the gradient
+
+    def packed_call(x):
+        return layer(x, segment_ids=SEGMENT_IDS, **kwargs)
+
+    def alone(x):
+        return layer(x, **kwargs)
+
+    if gradients:  # JAX compiles the step once, eager it compiles each op
+        value_and_grad = (
+            compiled_value_and_gradients if BACKEND == "jax" else value_and_gradients
+        )
+        cotangent = random_floats(*x.shape, seed=9)  # the same for both
+        packed, (grad,) = value_and_grad(packed_call, x, cotangent=cotangent)
+        piece = documents(x)[4]
+        theirs, (their_grad,) = value_and_grad(
+            alone, piece, cotangent=documents(cotangent)[4]
+        )
+        np.testing.assert_allclose(documents(grad)[4], their_grad, atol=1e-5)
+    else:
+        packed = to_numpy(compiled(packed_call)(x))
+        theirs = to_numpy(compiled(alone)(documents(x)[4]))
+    np.testing.assert_allclose(documents(packed)[4], theirs, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_multi_head_attention_packed_equals_separate(causal):
     """Rotary positions restart at each document (else the second document
-    of a row would sit at 3 or 5 onwards and differ)."""
+    of a row would sit at 4 onwards and differ)."""
     layer = MultiHeadAttention(num_heads=2, num_key_value_heads=1, **ROPE)
     packed_equals_separate(
         layer,
@@ -89,13 +99,12 @@ def test_decoder_only_packed_equals_separate_in_training():
 
 
 def test_explicit_positions_win_over_segment_positions():
-    layer = MultiHeadAttention(num_heads=2, **ROPE)
-    x = random_floats(2, 8, WIDTH, seed=4)
-    positions = np.arange(8, dtype="int32")
-    ours = layer(x, segment_ids=SEGMENT_IDS, positions=positions)
-    mask = SEGMENT_IDS[:, :, None] == SEGMENT_IDS[:, None, :]
-    theirs = layer(x, attention_mask=mask, positions=positions)
-    np.testing.assert_allclose(to_numpy(ours), to_numpy(theirs), atol=1e-6)
+    query, positions = random_floats(2, 8, WIDTH), np.arange(8, dtype="int32") + 3
+    call = AttentionCall(query, positions=positions, segment_ids=SEGMENT_IDS)
+    np.testing.assert_array_equal(to_numpy(call.rope_positions()[0]), positions)
+    call = AttentionCall(query, segment_ids=SEGMENT_IDS)
+    expected = [[0, 1, 2, 3, 0, 1, 2, 3]] * 2
+    np.testing.assert_array_equal(to_numpy(call.rope_positions()[0]), expected)
 
 
 BAD = {
@@ -112,7 +121,7 @@ def test_bad_segment_ids_raise_naming_them(name):
     kwargs, error, match = BAD[name]
     layer = MultiHeadAttention(num_heads=2)
     x = random_floats(2, 8, WIDTH)
-    layer(x)
+    layer.build(x.shape)
     kwargs = {"segment_ids": SEGMENT_IDS, **kwargs}
     if kwargs.get("value") == "other":
         kwargs["value"] = random_floats(2, 8, WIDTH, seed=5)
@@ -125,7 +134,7 @@ def test_bad_segment_ids_raise_naming_them(name):
 def test_blocks_check_segment_ids():
     x = random_floats(2, 8, WIDTH)
     encoder, decoder = TransformerEncoder(16, 2), TransformerDecoder(16, 2)
-    encoder(x), decoder(x)
+    encoder.build(x.shape), decoder.build(x.shape)
     with pytest.raises(ValueError, match=r"`segment_ids`.*\(2, 8\)"):
         encoder(x, segment_ids=SEGMENT_IDS[:, :5])
     with pytest.raises(TypeError, match="`segment_ids` must be an int"):
