@@ -121,7 +121,7 @@ def _checked_segment_ids(query_ids, key_ids, query, key, heads_major):
             raise ValueError(
                 "`key_segment_ids` needs `query_segment_ids`. Received: "
                 f"query_segment_ids=None, key_segment_ids of shape "
-                f"{tuple(key_ids.shape)}."
+                f"{tuple(getattr(key_ids, 'shape', ()))}."
             )
         return None
     batch, length = query.shape[0], query.shape[1]
