@@ -321,6 +321,29 @@ def check_positions(positions, batch, length, rope_max_wavelength):
     check_mask("positions", positions, {1: (length,), 2: (batch, length)})
 
 
+def check_segment_ids(name, segment_ids, shape=None, description="(batch, length)"):
+    """Raise unless `segment_ids` is an int tensor (or array) of rank 2 that
+    fits `shape` (dims compared where both are known)."""
+    if not hasattr(segment_ids, "dtype") or not hasattr(segment_ids, "shape"):
+        raise TypeError(
+            f"`{name}` must be an int tensor {description}. "
+            f"Received: {name}={segment_ids!r} of type {type(segment_ids).__name__}."
+        )
+    dtype = keras.backend.standardize_dtype(segment_ids.dtype)
+    if "int" not in dtype:
+        raise TypeError(
+            f"`{name}` must be an int tensor {description}. "
+            f"Received: {name}.dtype={dtype}."
+        )
+    got = tuple(segment_ids.shape)
+    shape = shape or (None, None)
+    if len(got) != 2 or any(dims_differ(a, b) for a, b in zip(got, shape, strict=True)):
+        raise ValueError(
+            f"`{name}` must have shape {description} = {_describe(shape)}. "
+            f"Received: {name}.shape={got}."
+        )
+
+
 def check_attention_options(
     is_causal, scale, flash_attention, dropout, return_scores, heads_major
 ):

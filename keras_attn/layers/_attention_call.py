@@ -16,6 +16,7 @@ from keras_attn._checks import (
     check_mask,
     check_positions,
     check_rank,
+    check_segment_ids,
     check_width,
     dims_differ,
 )
@@ -28,6 +29,7 @@ from keras_attn.ops.masks import (
     window_band,
 )
 from keras_attn.ops.plan import fused_limits, refuse_flash
+from keras_attn.ops.positions import run_positions
 
 
 @dataclasses.dataclass
@@ -54,6 +56,7 @@ class AttentionCall:
     cache: Any = None
     cache_update_index: Any = None
     positions: Any = None
+    segment_ids: Any = None
     mask: Any = None
     self_attention: bool = dataclasses.field(init=False)
 
@@ -81,13 +84,16 @@ class AttentionCall:
         this call.
 
         Queries sit at `positions`, by default `cache_update_index` (or 0)
-        onwards. In self-attention the new keys are the queries' tokens, at
-        the same positions; the keys of another sequence count from the
-        index (or 0) on their own.
+        onwards, or with `segment_ids` at each segment's positions from 0
+        (`positions` win over them). In self-attention the new keys are the
+        queries' tokens, at the same positions; the keys of another sequence
+        count from the index (or 0) on their own.
         """
         index = self.cache_update_index
         start = ops.cast(0 if index is None else index, "int32")
         positions = self.positions
+        if positions is None and self.segment_ids is not None:
+            positions = run_positions(self.segment_ids)  # (B, T)
         if positions is None:
             positions = ops.arange(0, ops.shape(self.query)[1], dtype="int32") + start
         if self.self_attention:
@@ -247,6 +253,29 @@ def check_call(layer, call):
     _check_attention_bias(layer, call.attention_bias, inner, key_inner)
     check_positions(call.positions, *inner[:2], layer.rope_max_wavelength)
     _check_rotary_call(layer, call)
+    _check_segment_ids(layer, call, inner)
+
+
+def _check_segment_ids(layer, call, inner):
+    """Segment ids `(batch, length)` of a self-attention without a cache."""
+    if call.segment_ids is None:
+        return
+    ids = call.segment_ids
+    received = f"Received: segment_ids of shape {tuple(getattr(ids, 'shape', ()))}"
+    if not call.self_attention or call.cache is not None:
+        given = "a separate `value` or `key`" if call.cache is None else "a `cache`"
+        raise ValueError(
+            "`segment_ids` pack several sequences into one row for "
+            "self-attention over the whole row: call the layer as "
+            "`layer(query, segment_ids=...)`, without a separate `value` or "
+            f"`key` and without a `cache`. {received} with {given}."
+        )
+    if layer._axes.rank != 3:
+        raise ValueError(
+            "`segment_ids` need inputs of rank 3, (batch, length, width). "
+            f"{received}, inputs of rank {layer._axes.rank}."
+        )
+    check_segment_ids("segment_ids", ids, inner[:2])
 
 
 def _check_rotary_call(layer, call):

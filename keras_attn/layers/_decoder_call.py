@@ -12,6 +12,7 @@ from keras_attn._checks import (
     check_mask,
     check_positions,
     check_rank,
+    check_segment_ids,
     check_width,
 )
 from keras_attn.layers._block import first_mask
@@ -42,6 +43,7 @@ class DecoderCall:
     decoder_attention_bias: Any = None
     encoder_attention_bias: Any = None
     positions: Any = None
+    segment_ids: Any = None
     mask: Any = None
     decoder_sequence_mask: Any = None
     encoder_sequence_mask: Any = None
@@ -79,10 +81,26 @@ def check_decoder_call(layer, args):
         "(batch, num_heads, target_length, key_length)",
     )
     check_positions(args.positions, batch, target, layer.rope_max_wavelength)
+    _check_segment_ids(args, batch, target)
     if layer._has_cross_attention:
         _check_cross_attention(layer, args, batch, target)
     else:
         _check_no_cross_attention(layer, args)
+
+
+def _check_segment_ids(args, batch, target):
+    """Segment ids `(batch, target_length)`, for a call without a cache."""
+    ids = args.segment_ids
+    if ids is None:
+        return
+    if args.self_attention_cache is not None:
+        raise ValueError(
+            "`segment_ids` pack several sequences into one row of a whole "
+            "sequence's self-attention, not a cached decoding step. Received: "
+            f"segment_ids of shape {tuple(getattr(ids, 'shape', ()))} with a "
+            "`self_attention_cache`."
+        )
+    check_segment_ids("segment_ids", ids, (batch, target))
 
 
 def _check_self_attention_cache(layer, args, batch, target):

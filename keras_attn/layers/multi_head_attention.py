@@ -202,6 +202,13 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             self-attention only (no `value`, or `value` the query itself):
             keys of another sequence sit at `cache_update_index` (or 0)
             onwards. Needs `rope_max_wavelength`.
+        segment_ids: optional int `(batch, query_length)`: packed sequences
+            (several documents in one row). A token attends only to tokens
+            of its own segment (ANDed with every other mask), and its
+            rotary position counts from the start of its run of equal ids
+            (`keras_attn.ops.segment_positions`; explicit `positions` win).
+            Any int values; padding is not special-cased (mask it with a
+            padding mask). Self-attention without a `cache` only.
         mask: filled in by Keras with the query's Keras mask when the query is
             the only tensor argument (self-attention); in self-attention it masks
             the keys as `value_mask` does.
@@ -360,12 +367,13 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         cache=None,
         cache_update_index=None,
         positions=None,
+        segment_ids=None,
         mask=None,
     ):
         call = AttentionCall(
             query, value, key, query_mask, value_mask, key_mask, attention_mask,
             return_attention_scores, training, use_causal_mask, attention_bias,
-            cache, cache_update_index, positions, mask,
+            cache, cache_update_index, positions, segment_ids, mask,
         )  # fmt: skip
         if self._checks_calls():
             check_call(self, call)
@@ -385,6 +393,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             heads_major=cache is not None,
             logit_soft_cap=self.logit_soft_cap,
             scale=self.attention_scale,
+            segment_ids=None if segment_ids is None else (segment_ids,) * 2,
         )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
         return self._outputs(call, context, scores, cache)

@@ -85,6 +85,12 @@ class TransformerDecoder(TransformerBlock):
             tokens (with `rope_max_wavelength`), e.g. per row for left-padded
             prompts. Defaults to `self_attention_cache_update_index` (or 0)
             onwards.
+        segment_ids: optional int `(batch, target_length)`: packed sequences
+            in self-attention (cross-attention is unaffected). A token attends
+            only to tokens of its own segment, and rotary positions restart at
+            each segment's start (explicit `positions` win); see
+            `keras_attn.MultiHeadAttention`. Not with a cache; padding is not
+            special-cased.
         mask, decoder_sequence_mask, encoder_sequence_mask: filled in by Keras
             with the inputs' Keras masks; not passed by hand.
 
@@ -149,6 +155,7 @@ class TransformerDecoder(TransformerBlock):
         decoder_attention_bias=None,
         encoder_attention_bias=None,
         positions=None,
+        segment_ids=None,
         mask=None,
         decoder_sequence_mask=None,
         encoder_sequence_mask=None,
@@ -159,8 +166,8 @@ class TransformerDecoder(TransformerBlock):
             self_attention_cache, self_attention_cache_update_index,
             cross_attention_cache, cross_attention_cache_update_index,
             use_causal_mask, training, return_attention_scores,
-            decoder_attention_bias, encoder_attention_bias, positions, mask,
-            decoder_sequence_mask, encoder_sequence_mask,
+            decoder_attention_bias, encoder_attention_bias, positions,
+            segment_ids, mask, decoder_sequence_mask, encoder_sequence_mask,
         )  # fmt: skip
         if not call_checks_skipped():
             check_decoder_call(self, args)
@@ -177,6 +184,7 @@ class TransformerDecoder(TransformerBlock):
             cache=self_attention_cache,
             cache_update_index=self_attention_cache_update_index,
             positions=positions,
+            segment_ids=segment_ids,
         )
         scores, caches = (self_scores,), (self_attention_cache,)
         if self._has_cross_attention:

@@ -2,7 +2,12 @@
 
 import keras
 
-from keras_attn._checks import call_checks_skipped, check_broadcastable, check_mask
+from keras_attn._checks import (
+    call_checks_skipped,
+    check_broadcastable,
+    check_mask,
+    check_segment_ids,
+)
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._machinery import call_arguments
@@ -52,6 +57,10 @@ class TransformerEncoder(TransformerBlock):
         attention_bias: optional float tensor broadcastable to
             `(batch, num_heads, length, length)`, added to the attention
             logits (e.g. `keras_attn.ops.alibi_bias`).
+        segment_ids: optional int `(batch, length)`: packed sequences. A
+            token attends only to tokens of its own segment, and rotary
+            positions restart at each segment's start; see
+            `keras_attn.MultiHeadAttention`. Padding is not special-cased.
         mask, inputs_mask: filled in by Keras with the input's Keras mask; not
             passed by hand.
 
@@ -88,6 +97,7 @@ class TransformerEncoder(TransformerBlock):
         training=None,
         return_attention_scores=False,
         attention_bias=None,
+        segment_ids=None,
         mask=None,
         inputs_mask=None,
     ):
@@ -98,6 +108,7 @@ class TransformerEncoder(TransformerBlock):
                 attention_mask=attention_mask,
                 attention_bias=attention_bias,
                 return_attention_scores=return_attention_scores,
+                segment_ids=segment_ids,
             )
         padding_mask = to_bool(first_mask(padding_mask, inputs_mask, mask))
         x, scores, _ = self._attention_residual(
@@ -109,6 +120,7 @@ class TransformerEncoder(TransformerBlock):
             value_mask=padding_mask,
             attention_mask=attention_mask,
             attention_bias=attention_bias,
+            segment_ids=segment_ids,
         )
         x = self._feedforward_residual(x, training)
         return (x, scores) if return_attention_scores else x
@@ -120,6 +132,7 @@ class TransformerEncoder(TransformerBlock):
         attention_mask=None,
         attention_bias=None,
         return_attention_scores=False,
+        segment_ids=None,
         **unchecked,
     ):
         """The call's arguments, by name (`unchecked`: those with nothing to
@@ -134,6 +147,8 @@ class TransformerEncoder(TransformerBlock):
             (batch, self.num_heads, length, length),
             "(batch, num_heads, length, length)",
         )
+        if segment_ids is not None:
+            check_segment_ids("segment_ids", segment_ids, (batch, length))
 
     def _attention_layers(self):
         return [self.self_attention]

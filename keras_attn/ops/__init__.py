@@ -4,7 +4,7 @@ Every function here is stateless and backend-agnostic. Shapes use `B` batch,
 `T`/`S` query/key length, `H` heads, `K` key/value heads, `D` per-head width.
 
 One module per concern: `positions` (sinusoids, rotary), `masks` (causal,
-sliding window, ALiBi, merging), `attention` (the public op), `plan` (which
+sliding window, ALiBi, segments, merging), `attention` (the public op), `plan` (which
 kernel runs, and why) and `kernels` (explicit, chunked, fused).
 """
 
@@ -13,9 +13,14 @@ from keras_attn.ops.masks import (
     alibi_bias,
     causal_mask,
     merge_attention_masks,
+    segment_mask,
     sliding_window_mask,
 )
-from keras_attn.ops.positions import rotary_embedding, sinusoidal_position_encoding
+from keras_attn.ops.positions import (
+    rotary_embedding,
+    segment_positions,
+    sinusoidal_position_encoding,
+)
 
 __all__ = [
     "alibi_bias",
@@ -23,6 +28,8 @@ __all__ = [
     "dot_product_attention",
     "merge_attention_masks",
     "rotary_embedding",
+    "segment_mask",
+    "segment_positions",
     "sinusoidal_position_encoding",
     "sliding_window_mask",
 ]

@@ -9,11 +9,12 @@ from keras_attn._checks import (
     check_attention_inputs,
     check_attention_options,
     check_positive_float,
+    check_segment_ids,
     exported_by_torch,
 )
 from keras_attn.ops.kernels import chunked, explicit, fused
 from keras_attn.ops.kernels.options import KernelOptions
-from keras_attn.ops.masks import merge_attention_masks
+from keras_attn.ops.masks import merge_attention_masks, same_segment
 from keras_attn.ops.plan import plan_attention, platform_of
 
 __all__ = ["dot_product_attention"]
@@ -32,6 +33,8 @@ def dot_product_attention(
     return_scores=False,
     heads_major=False,
     logit_soft_cap=None,
+    query_segment_ids=None,
+    key_segment_ids=None,
 ):
     """Scaled dot-product attention, softmax(QK^T * scale + bias) V, safely masked.
 
@@ -79,6 +82,13 @@ def dot_product_attention(
         logit_soft_cap: optional float > 0. Soft-caps the scaled logits to
             `cap * tanh(logits / cap)` before the bias and the softmax (Gemma
             2); it needs the explicit path. Defaults to `None`.
+        query_segment_ids: optional int `(B, T)`: packed sequences. Query
+            `i` attends to key `j` only where their segment ids are equal
+            (ANDed with every other mask); any int values, padding not
+            special-cased. Long sequences go in chunks that carry the ids,
+            so no `(T, S)` mask is built (the plan's rule 7).
+        key_segment_ids: optional int `(B, S)`, with `query_segment_ids`.
+            Defaults to `query_segment_ids` (self-attention, `S == T`).
 
     Returns:
         `(B, T, H, Dv)`, or `(output, weights)` with `return_scores=True`.
@@ -95,10 +105,36 @@ def dot_product_attention(
     )
     check_attention_inputs(query, key, value, mask, bias, heads_major)
     check_positive_float("logit_soft_cap", logit_soft_cap, allow_none=True)
+    segment_ids = _checked_segment_ids(
+        query_segment_ids, key_segment_ids, query, key, heads_major
+    )
     return attend(
         query, key, value, mask, bias, is_causal, scale, flash_attention,
-        dropout, return_scores, heads_major, logit_soft_cap,
+        dropout, return_scores, heads_major, logit_soft_cap, segment_ids,
     )  # fmt: skip
+
+
+def _checked_segment_ids(query_ids, key_ids, query, key, heads_major):
+    """`(query_ids, key_ids)` or `None`, checked against the inputs."""
+    if query_ids is None:
+        if key_ids is not None:
+            raise ValueError(
+                "`key_segment_ids` needs `query_segment_ids`. Received: "
+                f"query_segment_ids=None, key_segment_ids of shape "
+                f"{tuple(getattr(key_ids, 'shape', ()))}."
+            )
+        return None
+    batch, length = query.shape[0], query.shape[1]
+    key_length = key.shape[2 if heads_major else 1]
+    check_segment_ids(
+        "query_segment_ids", query_ids, (batch, length), "(batch, query_length)"
+    )
+    if key_ids is None:
+        key_ids, name = query_ids, "query_segment_ids (the keys' by default)"
+    else:
+        name = "key_segment_ids"
+    check_segment_ids(name, key_ids, (batch, key_length), "(batch, key_length)")
+    return query_ids, key_ids
 
 
 def attend(
@@ -114,9 +150,11 @@ def attend(
     return_scores=False,
     heads_major=False,
     logit_soft_cap=None,
+    segment_ids=None,
 ):
     """`dot_product_attention` without its checks, for callers that checked
-    what they pass (the layers check their own calls, once)."""
+    what they pass (the layers check their own calls, once); `segment_ids`:
+    `(query_segment_ids, key_segment_ids)` or `None`."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
@@ -135,20 +173,27 @@ def attend(
         flash_attention=flash_attention,
         platform=platform_of(query),
         exporting=exported_by_torch(),
+        segment_ids=segment_ids is not None,
     )
+    if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
+        mask = merge_attention_masks(mask, same_segment(*segment_ids))
+        segment_ids = None
     options = KernelOptions(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         heads_major=heads_major,
         dropout=dropout,
         logit_soft_cap=logit_soft_cap,
     )
-    output, weights = _run(plan, query, key, value, mask, bias, is_causal, options)
+    output, weights = _run(
+        plan, query, key, value, mask, bias, is_causal, options, segment_ids
+    )
     return (output, weights) if return_scores else output
 
 
-def _run(plan, query, key, value, mask, bias, is_causal, options):
+def _run(plan, query, key, value, mask, bias, is_causal, options, segment_ids):
     """Carry out `plan`: `(output, weights)`, the weights `None` but on the
-    materialized path."""
+    materialized path; `segment_ids` reach the chunked path only (elsewhere
+    they are in the mask)."""
     if plan.kernel == "fused":  # the kernel scales the logits
         output = fused.attention(
             query, key, value, mask, bias, is_causal, plan, options
@@ -159,7 +204,7 @@ def _run(plan, query, key, value, mask, bias, is_causal, options):
     query = ops.multiply(query, ops.convert_to_tensor(options.scale, dtype=dtype))
     if plan.kernel == "chunked":
         output = chunked.attention(
-            query, key, value, mask, bias, is_causal, plan, options
+            query, key, value, mask, bias, is_causal, plan, options, segment_ids
         )
         return output, None
     causal_offset = 0 if is_causal else None

@@ -6,12 +6,18 @@ import math
 
 from keras import ops
 
-from keras_attn._checks import check_positive_float, check_positive_int, check_size
+from keras_attn._checks import (
+    check_positive_float,
+    check_positive_int,
+    check_segment_ids,
+    check_size,
+)
 
 __all__ = [
     "alibi_bias",
     "causal_mask",
     "merge_attention_masks",
+    "segment_mask",
     "sliding_window_mask",
 ]
 
@@ -124,6 +130,51 @@ def sink_keys(key_length, sinks, padding=None):
         return ops.expand_dims(keys < sinks, 0)
     first = ops.min(ops.where(padding, keys, key_length), axis=-1)  # (B,)
     return ops.expand_dims(keys[None, :] < ops.expand_dims(first + sinks, 1), 1)
+
+
+def segment_mask(query_segment_ids, key_segment_ids=None):
+    """Boolean mask of packed sequences: query `i` may attend to key `j` only
+    where both belong to the same segment (document).
+
+    Any int values name the segments; padding is not special-cased (mask it
+    with a padding mask). The mask is quadratic in the length; the attention
+    op and the layers take `segment_ids` themselves and build it only where
+    the plan materializes the weights (in chunks for long sequences).
+
+    Args:
+        query_segment_ids: int tensor `(batch, query_length)`.
+        key_segment_ids: int tensor `(batch, key_length)`. Defaults to
+            `query_segment_ids` (self-attention).
+
+    Returns:
+        Bool tensor `(batch, 1, query_length, key_length)`, True where
+        attention is allowed.
+
+    Example:
+    >>> ids = np.array([[1, 1, 2]])
+    >>> keras.ops.convert_to_numpy(keras_attn.ops.segment_mask(ids))[0, 0].astype(int)
+    array([[1, 1, 0],
+           [1, 1, 0],
+           [0, 0, 1]])
+    """
+    check_segment_ids("query_segment_ids", query_segment_ids)
+    if key_segment_ids is None:
+        key_segment_ids = query_segment_ids
+    check_segment_ids(
+        "key_segment_ids",
+        key_segment_ids,
+        (query_segment_ids.shape[0], None),
+        "(batch, key_length)",
+    )
+    return same_segment(query_segment_ids, key_segment_ids)
+
+
+def same_segment(query_segment_ids, key_segment_ids):
+    """`segment_mask` without its checks: `(B, 1, T, S)` from `(B, T)` and
+    `(B, S)` (or `(B, N)` rows of one chunk)."""
+    query_ids = ops.expand_dims(ops.convert_to_tensor(query_segment_ids), (1, 3))
+    key_ids = ops.expand_dims(ops.convert_to_tensor(key_segment_ids), (1, 2))
+    return ops.equal(query_ids, key_ids)  # (B, 1, T, S)
 
 
 def _check_positions(query_length, key_length, query_offset):

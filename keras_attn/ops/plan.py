@@ -30,13 +30,28 @@ rule out, it raises (`refuse_flash`) rather than falling back.
 6. JAX on a CPU, with at least `CHUNKED_FROM` logits per batch row:
    explicit, in chunks. XLA's CPU attention materializes the logits and keeps
    them for the gradient (memory rule: `benchmarks/long_sequence.py`).
-7. Otherwise: fused, heads-major caches too: on PyTorch torch's own
+7. Segment ids (packed sequences) where the explicit path would go in
+   chunks (at least `CHUNKED_FROM` logits per batch row): explicit, in
+   chunks, each chunk's mask built from its rows' segment ids and all the
+   keys' (memory stays linear; no `(T, S)` mask is built). No fused kernel
+   takes segment ids: neither Keras' op nor JAX's
+   `jax.nn.dot_product_attention` (0.10: sequence lengths and a local
+   window, no segments) nor torch's `scaled_dot_product_attention`.
+   FlexAttention's block masks do, but pay off only compiled
+   (`torch.compile`) on a GPU; eager, as Keras runs PyTorch, it runs an
+   unfused reference that materializes the weights, so it is not used.
+   Shorter sequences fold the segment mask `(B, 1, T, S)` into the mask,
+   which any kernel runs (the other rules as for any mask).
+8. Otherwise: fused, heads-major caches too: on PyTorch torch's own
    `scaled_dot_product_attention` with torch's kernel choice, elsewhere
    `keras.ops.dot_product_attention`. While `torch.export` traces a length
    it keeps dynamic, torch's composite kernel only: the fused kernels' shape
    checks leave guards in the program that fail for dynamic lengths on CUDA
    (`min(4*L, 8*L) != 16*L`; FINDINGS.md, section 1), and the composite
    kernel checks nothing.
+
+With `flash_attention=True` or `False` segment ids add no rule: fused with
+the segment mask folded in, or explicit (in chunks where long).
 
 The form of a fused call:
 
@@ -97,6 +112,8 @@ CHUNKS_REMATERIALIZED = ("torch",)
 
 # Rule 4's reason.
 FLASH_DISABLED = "flash attention disabled by keras.config.disable_flash_attention()"
+# Rule 7's reason.
+LONG_SEGMENTS = "segment ids on a long sequence (no fused kernel takes them)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +168,7 @@ def plan_attention(
     backend=None,
     platform=None,
     exporting=False,
+    segment_ids=False,
 ):
     """The `AttentionPlan` for one call (the rules: this module's docstring).
 
@@ -171,6 +189,9 @@ def plan_attention(
         platform: `"cpu"`, `"gpu"` or `"tpu"` (see `platform_of`); defaults
             to Keras' first device.
         exporting: bool. `torch.export` is tracing the call.
+        segment_ids: bool. The call has segment ids (packed sequences): in
+            chunks they ride with each chunk, elsewhere their mask `(B, 1,
+            T, S)` is folded into the mask.
 
     Returns:
         An `AttentionPlan`.
@@ -187,12 +208,16 @@ def plan_attention(
     )
     if not_fused and flash_attention:
         refuse_flash(not_fused)
+    key_length = key_shape[2 if heads_major else 1]
+    if segment_ids:  # their mask, folded in unless in chunks
+        mask_shape = mask_shape or (query_shape[0], 1, query_shape[1], key_length)
     chunk_rows = None
     if not (dropout or return_scores):
-        key_length = key_shape[2 if heads_major else 1]
         chunk_rows = _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape)
     if flash_attention is None:
         not_fused += _explicit_here(backend, platform, chunk_rows)
+        if segment_ids and chunk_rows:
+            not_fused += (LONG_SEGMENTS,)
     elif flash_attention is False:
         not_fused += ("flash_attention=False",)
     if not_fused and chunk_rows:

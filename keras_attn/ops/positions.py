@@ -12,11 +12,12 @@ from keras_attn._checks import (
     check_bool,
     check_positive_float,
     check_positive_int,
+    check_segment_ids,
     check_size,
 )
 from keras_attn.ops.dtypes import at_least_float32
 
-__all__ = ["rotary_embedding", "sinusoidal_position_encoding"]
+__all__ = ["rotary_embedding", "segment_positions", "sinusoidal_position_encoding"]
 
 # The keys of a rotary `scaling` dict by its `rope_type` (Hugging Face's
 # `rope_scaling` names) and their defaults (keras-hub's `RotaryEmbedding`'s);
@@ -100,6 +101,43 @@ def position_ids(length, start_index=0, dtype="int32"):
     if len(start.shape) == 1:
         return ops.expand_dims(start, 1) + ops.expand_dims(positions, 0)  # (B, T)
     return positions + start
+
+
+def segment_positions(segment_ids):
+    """Positions that restart at each segment of a packed row: `i` minus the
+    index of the first token of its run of equal ids.
+
+    A segment is a contiguous run of equal ids (the packed documents); the
+    positions of each start at 0. Linear in the length (no `(T, T)` matrix):
+    each run's start is found by sorting the starts, so it traces under
+    `jit` on every backend.
+
+    Args:
+        segment_ids: int tensor `(batch, length)`.
+
+    Returns:
+        Int32 tensor `(batch, length)`.
+
+    Example:
+    >>> ids = np.array([[7, 7, 7, 2, 2, 5]])
+    >>> keras.ops.convert_to_numpy(keras_attn.ops.segment_positions(ids))
+    array([[0, 1, 2, 0, 1, 0]], dtype=int32)
+    """
+    check_segment_ids("segment_ids", segment_ids)
+    return run_positions(segment_ids)
+
+
+def run_positions(segment_ids):
+    """`segment_positions` without its checks, for callers that checked."""
+    ids = ops.convert_to_tensor(segment_ids)
+    length = ops.shape(ids)[1]
+    index = ops.arange(0, length, dtype="int32")  # (T,)
+    changed = ops.not_equal(ids[:, 1:], ids[:, :-1])  # (B, T - 1)
+    is_start = ops.concatenate([ops.ones_like(changed[:, :1]), changed], axis=1)
+    # The starts in order, then `length` for every other token: (B, T)
+    starts = ops.sort(ops.where(is_start, ops.expand_dims(index, 0), length), axis=1)
+    run = ops.cumsum(ops.cast(is_start, "int32"), axis=1) - 1  # (B, T)
+    return index - ops.take_along_axis(starts, run, axis=1)
 
 
 def rotary_embedding(

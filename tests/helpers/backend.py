@@ -92,11 +92,13 @@ def flat_numpy(outputs):
     return [to_numpy(x) for x in keras.tree.flatten(outputs)]
 
 
-def value_and_gradients(fn, *arrays):
+def value_and_gradients(fn, *arrays, cotangent=None):
     """`fn(*arrays)` and the gradients of `sum(fn(*arrays) * c)` for a fixed
-    random `c`, as numpy arrays, with the backend's own autodiff."""
+    random `c` (or `cotangent`, an array of the output's shape), as numpy
+    arrays, with the backend's own autodiff."""
     tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
-    cotangent = None
+    if cotangent is not None:
+        cotangent = keras.ops.convert_to_tensor(cotangent)
 
     def loss(*xs):
         nonlocal cotangent
@@ -127,3 +129,43 @@ def value_and_gradients(fn, *arrays):
         grads = [x.grad for x in tensors]
     detach = getattr(output, "detach", lambda: output)  # torch
     return to_numpy(detach()), [to_numpy(g) for g in grads]
+
+
+def compiled_value_and_gradients(fn, *arrays, cotangent=None):
+    """`fn(*arrays)` and the gradients of `sum(fn(*arrays) * c)`, compiled as
+    Keras compiles a train step: `jax.jit`, `tf.function(jit_compile=True)`
+    (XLA, Keras' default where TensorFlow sees a GPU), eager on PyTorch.
+    `c`: `cotangent`, by default drawn as `value_and_gradients` draws it for
+    attention `(B, T, H, Dv)` from the query, keys and values."""
+    tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
+    if cotangent is None:  # shaped like the attention's output
+        shape = (*arrays[0].shape[:-1], arrays[2].shape[-1])
+        cotangent = random_floats(*shape, seed=99)
+    cotangent = keras.ops.convert_to_tensor(cotangent)
+
+    def loss(*xs):
+        output = fn(*xs)
+        return keras.ops.sum(output * cotangent), output
+
+    if BACKEND == "jax":
+        import jax
+
+        step = jax.value_and_grad(loss, argnums=tuple(range(len(arrays))), has_aux=True)
+        (_, output), grads = jax.jit(step)(*tensors)
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function(jit_compile=True)
+        def step(*xs):
+            with tf.GradientTape() as tape:
+                tape.watch(xs)
+                total, output = loss(*xs)
+            return output, tape.gradient(total, xs)
+
+        output, grads = step(*tensors)
+    else:
+        tensors = [x.clone().requires_grad_(True) for x in tensors]
+        total, output = loss(*tensors)
+        total.backward()
+        output, grads = output.detach(), [x.grad for x in tensors]
+    return to_numpy(output), [to_numpy(g) for g in grads]

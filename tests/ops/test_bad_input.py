@@ -97,6 +97,29 @@ ATTENTION_ROWS = {
         {"bias": np.zeros((1, H, T, S), "int32")}, TypeError,
         r"`bias` must be a float tensor",
     ),
+    "float segment ids": (
+        (B, T, H, D), (B, S, K, D), (B, S, K, D),
+        {"query_segment_ids": np.zeros((B, T), "float32")}, TypeError,
+        r"`query_segment_ids` must be an int tensor.*dtype=float32",
+    ),
+    "segment ids of another length": (
+        (B, T, H, D), (B, S, K, D), (B, S, K, D),
+        {"query_segment_ids": np.zeros((B, T + 1), "int32"),
+         "key_segment_ids": np.zeros((B, S), "int32")}, ValueError,
+        rf"`query_segment_ids` must have shape \(batch, query_length\) = "
+        rf"{shape_of((B, T))}.*shape={shape_of((B, T + 1))}",
+    ),
+    "the query's segment ids for keys of another length": (
+        (B, T, H, D), (B, S, K, D), (B, S, K, D),
+        {"query_segment_ids": np.zeros((B, T), "int32")}, ValueError,
+        r"`query_segment_ids \(the keys' by default\)` must have shape "
+        r"\(batch, key_length\)",
+    ),
+    "key segment ids alone": (
+        (B, T, H, D), (B, S, K, D), (B, S, K, D),
+        {"key_segment_ids": np.zeros((B, S), "int32")}, ValueError,
+        r"`key_segment_ids` needs `query_segment_ids`",
+    ),
 }  # fmt: skip
 
 
@@ -289,6 +312,20 @@ BUILDER_ROWS = [
         {"start_index": np.zeros((2, 2), "int32")},
         TypeError,
         r"start_index.shape=\(2, 2\)",
+    ),
+    row(
+        "segment_positions",
+        (np.zeros((2, 3), "float32"),),
+        {},
+        TypeError,
+        r"`segment_ids` must be an int tensor.*dtype=float32",
+    ),
+    row(
+        "segment_mask",
+        (np.zeros((2, 3), "int32"), np.zeros((3, 3), "int32")),
+        {},
+        ValueError,
+        r"`key_segment_ids` must have shape \(batch, key_length\)",
     ),
 ]
 

@@ -10,46 +10,12 @@ import pytest
 
 from keras_attn import ops as attn_ops
 from keras_attn.ops import plan
-from tests.helpers.backend import BACKEND, to_numpy, value_and_gradients
+from tests.helpers.backend import (
+    BACKEND,
+    compiled_value_and_gradients,
+    value_and_gradients,
+)
 from tests.helpers.builders import random_floats
-
-
-def compiled_value_and_gradients(fn, *arrays):
-    """`fn(*arrays)` and the gradients of `sum(fn(*arrays) * c)`, compiled as
-    Keras compiles a train step: `jax.jit`, `tf.function(jit_compile=True)`
-    (XLA, Keras' default where TensorFlow sees a GPU), eager on PyTorch."""
-    tensors = [keras.ops.convert_to_tensor(x) for x in arrays]
-    # As `value_and_gradients` draws it: shaped like the output, `(B, T, H, Dv)`.
-    shape = (*arrays[0].shape[:-1], arrays[2].shape[-1])
-    cotangent = keras.ops.convert_to_tensor(random_floats(*shape, seed=99))
-
-    def loss(*xs):
-        output = fn(*xs)
-        return keras.ops.sum(output * cotangent), output
-
-    if BACKEND == "jax":
-        import jax
-
-        step = jax.value_and_grad(loss, argnums=tuple(range(len(arrays))), has_aux=True)
-        (_, output), grads = jax.jit(step)(*tensors)
-    elif BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        @tf.function(jit_compile=True)
-        def step(*xs):
-            with tf.GradientTape() as tape:
-                tape.watch(xs)
-                total, output = loss(*xs)
-            return output, tape.gradient(total, xs)
-
-        output, grads = step(*tensors)
-    else:
-        tensors = [x.clone().requires_grad_(True) for x in tensors]
-        total, output = loss(*tensors)
-        total.backward()
-        output, grads = output.detach(), [x.grad for x in tensors]
-    return to_numpy(output), [to_numpy(g) for g in grads]
-
 
 CASES = {
     "causal, a mask and a bias per row, grouped heads, a soft cap": dict(
@@ -125,3 +91,32 @@ def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatc
 
     assert largest_array(1) == 2 * 32 * 256
     assert largest_array(float("inf")) >= 2 * 256 * 256
+
+
+def test_chunked_segment_ids_equal_their_materialized_mask(small_chunks):
+    """Segment ids ride with each chunk (11 rows in chunks of 4, a segment
+    across a chunk's border, an id coming back later), forward and backward:
+    they give what their mask `segment_mask` gives, materialized."""
+    q = random_floats(2, 11, 4, 8, seed=1, scale=3.0)
+    k, v = random_floats(2, 11, 2, 8, seed=2), random_floats(2, 11, 2, 8, seed=3)
+    ids = np.array([[5] * 3 + [2] * 6 + [5] * 2, [1] * 11], dtype="int32")
+    padding = (np.arange(11) < np.array([[11], [9]]))[:, None, None, :]  # (B, 1, 1, S)
+
+    def chunked(q, k, v):
+        return attn_ops.dot_product_attention(
+            q, k, v, mask=padding, is_causal=True, query_segment_ids=ids
+        )
+
+    def materialized(q, k, v):
+        mask = attn_ops.merge_attention_masks(padding, attn_ops.segment_mask(ids))
+        return attn_ops.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+
+    ours = compiled_value_and_gradients(chunked, q, k, v)
+    assert small_chunks.calls, "the chunked path did not run"
+    small_chunks()
+    reference = (
+        compiled_value_and_gradients if BACKEND == "jax" else value_and_gradients
+    )
+    theirs = reference(materialized, q, k, v)
+    for a, b in zip(keras.tree.flatten(ours), keras.tree.flatten(theirs), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

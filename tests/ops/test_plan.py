@@ -66,6 +66,11 @@ FUSED_FORMS = {
         False,
     ),
     "grouped heads, JAX, GPU, float32: unrepeated": (dict(), False, False),
+    "causal with short segment ids: their mask takes the causal one": (
+        dict(is_causal=True, segment_ids=True),
+        False,
+        False,
+    ),
     "torch.export of static lengths: torch's choice": (
         dict(backend="torch", platform="cpu", exporting=True),
         False,
@@ -116,6 +121,16 @@ EXPLICIT = {
         "materialized",
         "dropout",
     ),
+    "segment ids, long, JAX on a GPU: chunked": (
+        dict(segment_ids=True, shapes=(LONG_QUERY, LONG_KEYS)),
+        "chunked",
+        "segment ids",
+    ),
+    "segment ids, long, PyTorch on a GPU: chunked": (
+        dict(backend="torch", segment_ids=True, shapes=(LONG_QUERY, LONG_KEYS)),
+        "chunked",
+        "segment ids",
+    ),
     "long of unknown length: materialized": (
         dict(flash_attention=False, shapes=((1, None, 8, 8), (1, None, 8, 8))),
         "materialized",
@@ -140,6 +155,11 @@ def test_long_sequences_stay_fused_where_a_kernel_streams_them():
     for backend, platform in (("jax", "gpu"), ("torch", "cpu"), ("torch", "gpu")):
         chosen = plan(backend, platform, shapes=(LONG_QUERY, LONG_KEYS))
         assert chosen.kernel == "fused" and not chosen.not_fused
+
+
+def test_long_segment_ids_stay_fused_where_flash_attention_is_true():
+    chosen = plan(flash_attention=True, segment_ids=True, shapes=(LONG_QUERY,) * 2)
+    assert chosen.kernel == "fused" and chosen.require_fused
 
 
 @pytest.mark.parametrize(

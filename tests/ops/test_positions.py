@@ -263,3 +263,18 @@ def test_rotary_embedding_bad_scaling(scaling, kwargs, error, match):
     x = random_floats(1, 3, 2, 4)
     with pytest.raises(error, match=match):
         attn_ops.rotary_embedding(x, np.arange(3), scaling=scaling, **kwargs)
+
+
+def test_segment_positions_restart_at_each_run_compiled_too():
+    """Each run of equal ids counts from 0 (an id coming back starts a new
+    run); the same under TensorFlow's XLA (under `jax.jit`: the layers'
+    tests, tests/layers/test_segment_ids.py)."""
+    ids = np.array([[7, 7, 7, 2, 2, 7, 7, 0, 0, 0, 0], [3] * 11], dtype="int32")
+    expected = [[0, 1, 2, 0, 1, 0, 1, 0, 1, 2, 3], list(range(11))]
+    positions = attn_ops.segment_positions
+    np.testing.assert_array_equal(to_numpy(positions(ids)), expected)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(positions, jit_compile=True)
+        np.testing.assert_array_equal(compiled(tf.constant(ids)), expected)

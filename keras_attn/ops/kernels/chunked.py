@@ -23,30 +23,33 @@ from keras import ops
 
 from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.kernels import explicit
-from keras_attn.ops.masks import zero_empty_rows
+from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
 
 
-def attention(query, key, value, mask, bias, is_causal, plan, options):
+def attention(
+    query, key, value, mask, bias, is_causal, plan, options, segment_ids=None
+):
     """The explicit path on `query` `(B, T, H, D)` (already scaled) in chunks
     of about `plan.chunk_rows` query rows, with the plan's `chunk_gradient`;
     returns `(B, T, H, Dv)`.
 
     The rows are padded to whole chunks, and the padding cut off.
+    `segment_ids`: `(query_ids (B, T), key_ids (B, S))` or `None`; the query
+    ids go in chunks with the rows, and each chunk builds its mask from them.
     """
+    chunking = (mask, bias, is_causal, segment_ids)
     length = query.shape[1]
     count = -(-length // plan.chunk_rows)
     rows = -(-length // count)  # the fewest padded rows for `count` chunks
     if plan.chunk_gradient == "remat":
-        return _recomputed(
-            query, key, value, mask, bias, is_causal, count, rows, options
-        )
+        return _recomputed(query, key, value, chunking, count, rows, options)
 
     @ops.custom_gradient
     def attend(query, key, value, *bias):
         # Only what may need a gradient is an argument (the mask is not).
         inputs = (query, key, value, *bias)
         bias_or_none = bias[0] if bias else None
-        chunks, shared = _split(query, mask, bias_or_none, is_causal, count, rows)
+        chunks, shared = _split(query, (mask, bias_or_none, *chunking[2:]), count, rows)
         output, log_sum = _forward(chunks, shared, key, value, options)
 
         def gradient(*args, upstream=None):
@@ -71,11 +74,12 @@ def attention(query, key, value, mask, bias, is_causal, plan, options):
     return attend(query, key, value, *([] if bias is None else [bias]))
 
 
-def _recomputed(query, key, value, mask, bias, is_causal, count, rows, options):
+def _recomputed(query, key, value, chunking, count, rows, options):
     """`attention` with each chunk under `keras.remat`, differentiated by the
-    backend (`plan.CHUNKS_REMATERIALIZED`)."""
+    backend (`plan.CHUNKS_REMATERIALIZED`); `chunking`: `(mask, bias,
+    is_causal, segment_ids)`."""
     length = query.shape[1]
-    chunks, shared = _split(query, mask, bias, is_causal, count, rows)
+    chunks, shared = _split(query, chunking, count, rows)
 
     def step(previous, chunk):
         def attend(query, key, value, *bias):
@@ -84,7 +88,7 @@ def _recomputed(query, key, value, mask, bias, is_causal, count, rows, options):
             if bias:
                 given["bias"] = bias[0]
             return explicit.attention(
-                query, key, value, given.get("mask"), given.get("bias"),
+                query, key, value, _mask(given, given), given.get("bias"),
                 given.get("offset"), options,
             )[0]  # fmt: skip
 
@@ -98,10 +102,15 @@ def _recomputed(query, key, value, mask, bias, is_causal, count, rows, options):
     return _joined(ops.scan(step, first, chunks)[1], length)
 
 
-def _split(query, mask, bias, is_causal, count, rows):
+def _split(query, chunking, count, rows):
     """`(chunks, shared)`: each chunk's inputs, stacked `(N, ...)`, and the
-    inputs all chunks share."""
+    inputs all chunks share; `chunking`: `(mask, bias, is_causal,
+    segment_ids)`."""
+    mask, bias, is_causal, segment_ids = chunking
     chunks, shared = {"query": _in_chunks(query, 1, count, rows)}, {}
+    if segment_ids is not None:  # the rows' ids per chunk, the keys' shared
+        chunks["segments"] = _in_chunks(segment_ids[0], 1, count, rows)  # (N, B, C)
+        shared["key_segments"] = segment_ids[1]  # (B, S)
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None and x.shape[2] != 1:  # per query row: chunked too
             chunks[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
@@ -241,11 +250,24 @@ def _logits(chunk, shared, key, options):
     the bias, and which rows have a key `(B, 1|H, C, 1)` (`None`: all)."""
     query = chunk["query"]
     bias = chunk.get("bias", shared.get("bias"))
-    mask = chunk.get("mask", shared.get("mask"))
-    mask, has_key = explicit.visible(mask, chunk.get("offset"), query, key, options)
+    mask, has_key = explicit.visible(
+        _mask(chunk, shared), chunk.get("offset"), query, key, options
+    )
     capped = explicit.soft_cap(explicit.scores(query, key, options), options)
     logits = capped if bias is None else capped + ops.cast(bias, capped.dtype)
     return explicit.masked(logits, mask), capped, has_key
+
+
+def _mask(chunk, shared):
+    """A chunk's boolean mask (or `None`): its rows' or the shared mask, and
+    where there are segment ids, its rows' segments against the keys'
+    `(B, 1, C, S)`."""
+    mask = chunk.get("mask", shared.get("mask"))
+    if "segments" not in chunk:
+        return mask
+    return merge_attention_masks(
+        mask, same_segment(chunk["segments"], shared["key_segments"])
+    )
 
 
 def _put(stack, index, x):
