@@ -143,10 +143,13 @@ class AttentionCall:
             masks.append(window_band(query_length, key_length, sliding_window, offset))
         return masks
 
-    @staticmethod
-    def _sink_band(band, sinks, key_length, padding):
+    def _sink_band(self, band, sinks, key_length, padding):
         """The window's `band` `(T, S)` widened to the first `sinks` keys: of
+        each packed segment with `segment_ids` (as if each ran alone), else of
         each row after its left padding where keys are padded, `(B, T, S)`."""
+        if self.segment_ids is not None:  # (B, 1, S): each segment's first keys
+            first = run_positions(self.segment_ids) < sinks
+            return ops.logical_or(band, ops.expand_dims(first, 1))
         real = None
         if padding:  # each `(B, 1, S)`
             real = padding[0] if len(padding) == 1 else ops.logical_and(*padding)

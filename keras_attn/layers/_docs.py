@@ -73,7 +73,8 @@ ATTENTION_SINKS = """\
 attention_sinks: int >= 1, keyword only, with `sliding_window`. In
     self-attention, the first `attention_sinks` positions stay visible to
     every query beside its window (StreamingLLM's attention sinks, Xiao et
-    al. 2023); a left-padded row's sinks are its first real tokens.
+    al. 2023); a left-padded row's sinks are its first real tokens, a
+    packed segment's (`segment_ids`) its own first tokens.
     `keras_attn.generation.generate` keeps them in the rolling cache, so
     generation runs past the window in constant memory. Defaults to `None`.
 """

@@ -161,7 +161,8 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             the last `sliding_window` (StreamingLLM, Xiao et al. 2023;
             `keras_attn.ops.sliding_window_mask`). Left padding (the leading
             keys the padding mask masks out) does not count: a left-padded
-            row's sinks are its first real keys. Defaults to `None`.
+            row's sinks are its first real keys; with `segment_ids`, each
+            segment's first keys. Defaults to `None`.
         **kwargs: Base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:

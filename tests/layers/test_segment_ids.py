@@ -150,3 +150,12 @@ def test_blocks_check_segment_ids():
             self_attention_cache=cache,
             self_attention_cache_update_index=0,
         )
+
+
+def test_attention_sinks_are_each_segments_first_tokens():
+    """Sinks and a window in a packed row: each document keeps its own first
+    tokens visible, as it does alone."""
+    layer = MultiHeadAttention(num_heads=2, sliding_window=2, attention_sinks=1)
+    packed_equals_separate(
+        layer, random_floats(2, 8, WIDTH, seed=2), gradients=False, use_causal_mask=True
+    )
