@@ -330,8 +330,8 @@ def check_segment_ids(name, segment_ids, shape=None, description="(batch, length
             f"Received: {name}={segment_ids!r} of type {type(segment_ids).__name__}."
         )
     dtype = keras.backend.standardize_dtype(segment_ids.dtype)
-    if "int" not in dtype:
-        raise TypeError(
+    if "int" not in dtype:  # a ValueError, as issue 30 specifies for ids
+        raise ValueError(
             f"`{name}` must be an int tensor {description}. "
             f"Received: {name}.dtype={dtype}."
         )

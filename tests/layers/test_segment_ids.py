@@ -111,7 +111,7 @@ def test_explicit_positions_win_over_segment_positions():
 
 
 BAD = {
-    "float ids": (dict(segment_ids=SEGMENT_IDS.astype("float32")), TypeError, "int"),
+    "float ids": (dict(segment_ids=SEGMENT_IDS.astype("float32")), ValueError, "int"),
     "a wrong length": (dict(segment_ids=SEGMENT_IDS[:, :5]), ValueError, r"\(2, 8\)"),
     "rank 1": (dict(segment_ids=SEGMENT_IDS[0]), ValueError, "shape"),
     "a separate value": (dict(value="other"), ValueError, "separate `value`"),
@@ -140,7 +140,7 @@ def test_blocks_check_segment_ids():
     encoder.build(x.shape), decoder.build(x.shape)
     with pytest.raises(ValueError, match=r"`segment_ids`.*\(2, 8\)"):
         encoder(x, segment_ids=SEGMENT_IDS[:, :5])
-    with pytest.raises(TypeError, match="`segment_ids` must be an int"):
+    with pytest.raises(ValueError, match="`segment_ids` must be an int"):
         decoder(x, segment_ids=keras.ops.cast(SEGMENT_IDS, "float32"))
     cache = decoder.get_empty_self_attention_cache(2, 8)
     with pytest.raises(ValueError, match="`segment_ids`.*`self_attention_cache`"):

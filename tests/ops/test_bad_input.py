@@ -99,7 +99,7 @@ ATTENTION_ROWS = {
     ),
     "float segment ids": (
         (B, T, H, D), (B, S, K, D), (B, S, K, D),
-        {"query_segment_ids": np.zeros((B, T), "float32")}, TypeError,
+        {"query_segment_ids": np.zeros((B, T), "float32")}, ValueError,
         r"`query_segment_ids` must be an int tensor.*dtype=float32",
     ),
     "segment ids of another length": (
@@ -317,7 +317,7 @@ BUILDER_ROWS = [
         "segment_positions",
         (np.zeros((2, 3), "float32"),),
         {},
-        TypeError,
+        ValueError,
         r"`segment_ids` must be an int tensor.*dtype=float32",
     ),
     row(
