@@ -26,6 +26,7 @@ import keras
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import write_report
 from benchmarks.timing import describe, time_calls  # noqa: E402
 from keras_attn import ops as attn_ops  # noqa: E402
 
@@ -96,11 +97,7 @@ def main(argv=None):
                 f"| {t['fused'] / t['explicit']:.2f}x |"
             )
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, f"dispatch_{backend}.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, f"dispatch_{backend}.md", text)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from keras import ops
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_attn  # noqa: E402
+from benchmarks.report import write_report
 from benchmarks.timing import describe, time_call, time_calls  # noqa: E402
 from keras_attn.generation import generate  # noqa: E402
 
@@ -271,11 +272,7 @@ def write_tables(backend, rows, first_calls, numbers, args):
     lines += ["|---|---:|---:|---:|"]
     lines += [f"| {n} | {a:.2f} | {b:.3f} | {t} |" for n, a, b, t in numbers]
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, f"generation_{backend}.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, f"generation_{backend}.md", text)
 
 
 def speculative_models(extra_blocks):
@@ -346,12 +343,7 @@ def speculative(backend, args):
             f"| {first:.2f} |"
         )
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.results, exist_ok=True)
-    name = f"generation_speculative_{backend}.md"
-    with open(os.path.join(args.results, name), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, f"generation_speculative_{backend}.md", text)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_attn  # noqa: E402
+from benchmarks.report import write_report
 from benchmarks.timing import describe, time_calls  # noqa: E402
 from benchmarks.torch_overhead import (  # noqa: E402
     contention,
@@ -251,11 +252,7 @@ def main(argv=None):
         lines += ["", "Smoke run (`--quick`): these numbers mean nothing."]
     lines += ["", contention(load), "", *table(rows), "", summary(rows)]
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, "keras_costs.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, "keras_costs.md", text)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_attn  # noqa: E402
+from benchmarks.report import write_report
 from benchmarks.timing import describe, time_calls  # noqa: E402
 
 WIDTH, HEADS, SHORTEST, LONGEST = 64, 4, 8, 128
@@ -142,11 +143,7 @@ def main(argv=None):
             f"| {rate:.0f} | {rate / base:.2f}x |"
         )
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, f"packing_{backend}.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, f"packing_{backend}.md", text)
 
 
 if __name__ == "__main__":

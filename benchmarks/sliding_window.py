@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_attn  # noqa: E402
+from benchmarks.report import write_report
 from benchmarks.timing import describe, time_calls  # noqa: E402
 from keras_attn.generation import generate  # noqa: E402
 
@@ -105,11 +106,7 @@ def main(argv=None):
             lines.append(f"| {length} | {name} | {ms:.2f} | {kib:.0f} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, f"sliding_window_{backend}.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, f"sliding_window_{backend}.md", text)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_attn  # noqa: E402
 from benchmarks import generation as decoding  # noqa: E402
+from benchmarks.report import write_report
 from benchmarks.timing import describe, time_calls  # noqa: E402
 from keras_attn.generation import generate  # noqa: E402
 
@@ -420,11 +421,7 @@ def main(argv=None):
     lines += ["", contention(load)]
     lines += ["", *table(rows)]
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, "torch_overhead.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, "torch_overhead.md", text)
 
 
 if __name__ == "__main__":

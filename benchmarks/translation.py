@@ -41,6 +41,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.report import write_report  # noqa: E402
 from benchmarks.timing import describe, time_calls  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -198,11 +199,7 @@ def main(argv=None):
     medians = {name: timing.median for name, timing in timings.items()}
     text = "\n".join(table(backend, args, demo_args, medians, parameters, tokens))
     text += "\n"
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, f"translation_{backend}.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return text
+    return write_report(args.results, f"translation_{backend}.md", text)
 
 
 if __name__ == "__main__":
