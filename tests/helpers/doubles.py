@@ -155,14 +155,37 @@ def int8_contractions(function, *args):
 
 
 def _int8_dots(jaxpr):
-    for equation in jaxpr.eqns:
+    for equation in equations(jaxpr):
         if equation.primitive.name == "dot_general":
             left, right = (variable.aval for variable in equation.invars)
             if str(left.dtype) == str(right.dtype) == "int8":
                 (contracted, _), _ = equation.params["dimension_numbers"]
                 yield tuple(left.shape[axis] for axis in contracted)
+
+
+def equations(jaxpr):
+    """Every equation of a jaxpr, those of nested jaxprs (loops, custom
+    gradients, jitted calls) included."""
+    for equation in jaxpr.eqns:
+        yield equation
         for value in equation.params.values():
             for inner in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
                 if hasattr(inner, "eqns"):
-                    yield from _int8_dots(inner)
+                    yield from equations(inner)
+
+
+def largest_array(function, *args):
+    """The most elements of any array JAX traces for `function(*args)`,
+    nested jaxprs included: what the program asks memory for, before XLA
+    fuses anything away."""
+    import jax
+
+    jaxpr = jax.make_jaxpr(function)(*args).jaxpr
+    sizes = [
+        math.prod(variable.aval.shape)
+        for equation in equations(jaxpr)
+        for variable in equation.outvars
+        if hasattr(variable.aval, "shape")
+    ]
+    return max(sizes)

@@ -16,6 +16,7 @@ from tests.helpers.backend import (
     value_and_gradients,
 )
 from tests.helpers.builders import random_floats
+from tests.helpers.doubles import largest_array
 
 CASES = {
     "causal, a mask and a bias per row, grouped heads, a soft cap": dict(
@@ -120,3 +121,29 @@ def test_chunked_segment_ids_equal_their_materialized_mask(small_chunks):
     theirs = reference(materialized, q, k, v)
     for a, b in zip(keras.tree.flatten(ours), keras.tree.flatten(theirs), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's traced program (its jaxpr)")
+def test_segment_ids_keep_the_chunked_gradient_linear_in_memory(monkeypatch):
+    """Packed rows in chunks (T = S = 256, chunks of 32 rows): no array of
+    the program of a gradient step, as traced before XLA fuses anything, has
+    `T * S` elements (each chunk builds its own `(B, 1, 32, S)` mask). The
+    segment mask folded in, or the materialized path, would."""
+    import jax
+
+    monkeypatch.setattr(plan, "CHUNK_LOGITS", 2 * 32 * 256)  # chunks of 32 rows
+    q = random_floats(1, 256, 2, 8)
+    ids = np.repeat(np.arange(8, dtype="int32"), 32)[None]  # 8 documents
+
+    def largest(chunked_from, **segments):
+        monkeypatch.setattr(plan, "CHUNKED_FROM", chunked_from)
+
+        def loss(q):
+            output = attn_ops.dot_product_attention(q, q, q, is_causal=True, **segments)
+            return (output * output).sum()
+
+        return largest_array(jax.grad(loss), q)
+
+    assert largest(1, query_segment_ids=ids) < 256 * 256
+    assert largest(1, mask=attn_ops.segment_mask(ids)) >= 256 * 256
+    assert largest(float("inf"), query_segment_ids=ids) >= 256 * 256
