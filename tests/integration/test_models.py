@@ -80,7 +80,10 @@ def test_fit_learns_the_copy_task(trained):
 
 @pytest.mark.processes
 def test_saved_model_loads_in_fresh_processes_on_the_other_backends(trained, tmp_path):
-    """The trained translator, and an untrained LLaMA-style model."""
+    """The trained translator, and an untrained LLaMA-style model, saved here
+    and loaded by fresh processes of the other backends: what a fresh
+    process must register (our layers, on import) is backend-free, and this
+    backend reloads in this process (`tests/layers/test_saving.py`)."""
     others = [b for b in BACKENDS if b != BACKEND]
     if not others:
         pytest.skip("no other backend installed")
