@@ -51,6 +51,18 @@ def check_positive_int(name, value, allow_none=False):
     return int(value)
 
 
+def check_count(name, value):
+    """Raise unless `value` is an int >= 0 (not a bool, not a float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be an int >= 0. "
+            f"Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if value < 0:
+        raise ValueError(f"`{name}` must be an int >= 0. Received: {name}={value}.")
+    return int(value)
+
+
 def check_positive_float(name, value, allow_none=False):
     """Raise unless `value` is a real number > 0 (or `None` when allowed)."""
     if value is None and allow_none:
@@ -342,6 +354,23 @@ def check_segment_ids(name, segment_ids, shape=None, description="(batch, length
             f"`{name}` must have shape {description} = {_describe(shape)}. "
             f"Received: {name}.shape={got}."
         )
+
+
+def check_segment_ids_call(segment_ids, shape, conflict=None):
+    """Raise unless a layer call's `segment_ids` (`None`, or int `(batch,
+    length)` fitting `shape`) go with the call: `conflict` says what the
+    call has that packed rows exclude (e.g. "a `cache`"), or is `None`."""
+    if segment_ids is None:
+        return
+    if conflict:
+        raise ValueError(
+            "`segment_ids` pack several sequences into one row for the "
+            "self-attention of a whole sequence of rank 3 (batch, length, "
+            "width): a call without a separate `value` or `key`, a cache or "
+            "an `encoder_sequence`. Received: segment_ids of shape "
+            f"{tuple(getattr(segment_ids, 'shape', ()))} with {conflict}."
+        )
+    check_segment_ids("segment_ids", segment_ids, shape)
 
 
 def check_attention_options(

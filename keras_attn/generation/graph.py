@@ -44,6 +44,7 @@ STEP_UNSAFE = (
     "encoder_attention_bias",
     "encoder_padding_mask",
     "positions",
+    "segment_ids",  # packed rows: a step would attend across their documents
 )
 
 # Keras' tied embedding (`reverse=True` gives logits), where Keras has it.

@@ -3,6 +3,7 @@ accepts, checked once (at the call the user made, not again in a block's
 sublayer)."""
 
 import dataclasses
+import functools
 from typing import Any
 
 from keras import ops
@@ -16,7 +17,7 @@ from keras_attn._checks import (
     check_mask,
     check_positions,
     check_rank,
-    check_segment_ids,
+    check_segment_ids_call,
     check_width,
     dims_differ,
 )
@@ -29,7 +30,7 @@ from keras_attn.ops.masks import (
     window_band,
 )
 from keras_attn.ops.plan import fused_limits, refuse_flash
-from keras_attn.ops.positions import run_positions
+from keras_attn.ops.positions import run_positions, segment_runs
 
 
 @dataclasses.dataclass
@@ -74,6 +75,20 @@ class AttentionCall:
         if self.key is None:
             self.key = self.value
 
+    @functools.cached_property
+    def segments(self):
+        """The segments of `segment_ids` `(B, T)` (their runs, numbered from
+        1), to compare in the attention, or `None`; computed once a call."""
+        return None if self.segment_ids is None else segment_runs(self.segment_ids)
+
+    @functools.cached_property
+    def segment_positions(self):
+        """Each token's position in its segment `(B, T)`, or `None`; computed
+        once a call (for the rotary positions and the sinks)."""
+        if self.segment_ids is None:
+            return None
+        return run_positions(self.segment_ids)
+
     @property
     def projects_keys(self):
         """Keys and values are projected (not read from a precomputed cache)."""
@@ -92,8 +107,8 @@ class AttentionCall:
         index = self.cache_update_index
         start = ops.cast(0 if index is None else index, "int32")
         positions = self.positions
-        if positions is None and self.segment_ids is not None:
-            positions = run_positions(self.segment_ids)  # (B, T)
+        if positions is None:
+            positions = self.segment_positions  # (B, T), or None
         if positions is None:
             positions = ops.arange(0, ops.shape(self.query)[1], dtype="int32") + start
         if self.self_attention:
@@ -119,36 +134,35 @@ class AttentionCall:
         attention_mask = axes.fold_attention_mask(
             self.attention_mask, self.query, self.key
         )
-        positions = self._position_masks(sliding_window, *lengths)
+        written, band = self._position_masks(sliding_window, *lengths)
         if sinks:  # the window's band, widened to the sinks
-            positions[-1] = self._sink_band(positions[-1], sinks, lengths[1], padding)
-        mask = merge_attention_masks(*padding, attention_mask, *positions)
+            band = self._sink_band(band, sinks, lengths[1], padding)
+        mask = merge_attention_masks(*padding, attention_mask, written, band)
         return mask, self.use_causal_mask and self.cache_update_index is None
 
     def _position_masks(self, sliding_window, query_length, key_length):
-        """The masks by position: causal (or, without it, the keys written so
-        far) from the cache index, where the queries sit; the sliding window."""
-        offset, masks = 0, []
+        """The masks by position, `(written, band)`, each `None` where it
+        has none: from the cache index, where the queries sit, the causal
+        mask (or, without it, the keys written so far); the sliding window's
+        band."""
+        offset, written, band = 0, None, None
         if self.cache_update_index is not None:  # queries at index, index + 1, ...
             offset = self.cache_update_index
             if self.use_causal_mask:
-                masks.append(causal(query_length, key_length, offset))
+                written = causal(query_length, key_length, offset)
             else:  # every key written so far
-                written = (
-                    ops.arange(0, key_length, dtype="int32")
-                    < offset + ops.shape(self.key)[1]
-                )
-                masks.append(ops.expand_dims(written, 0))
+                keys = ops.arange(0, key_length, dtype="int32")
+                written = ops.expand_dims(keys < offset + ops.shape(self.key)[1], 0)
         if sliding_window is not None:
-            masks.append(window_band(query_length, key_length, sliding_window, offset))
-        return masks
+            band = window_band(query_length, key_length, sliding_window, offset)
+        return written, band
 
     def _sink_band(self, band, sinks, key_length, padding):
         """The window's `band` `(T, S)` widened to the first `sinks` keys: of
         each packed segment with `segment_ids` (as if each ran alone), else of
         each row after its left padding where keys are padded, `(B, T, S)`."""
         if self.segment_ids is not None:  # (B, 1, S): each segment's first keys
-            first = run_positions(self.segment_ids) < sinks
+            first = self.segment_positions < sinks
             return ops.logical_or(band, ops.expand_dims(first, 1))
         real = None
         if padding:  # each `(B, 1, S)`
@@ -261,24 +275,14 @@ def check_call(layer, call):
 
 def _check_segment_ids(layer, call, inner):
     """Segment ids `(batch, length)` of a self-attention without a cache."""
-    if call.segment_ids is None:
-        return
-    ids = call.segment_ids
-    received = f"Received: segment_ids of shape {tuple(getattr(ids, 'shape', ()))}"
-    if not call.self_attention or call.cache is not None:
-        given = "a separate `value` or `key`" if call.cache is None else "a `cache`"
-        raise ValueError(
-            "`segment_ids` pack several sequences into one row for "
-            "self-attention over the whole row: call the layer as "
-            "`layer(query, segment_ids=...)`, without a separate `value` or "
-            f"`key` and without a `cache`. {received} with {given}."
-        )
-    if layer._axes.rank != 3:
-        raise ValueError(
-            "`segment_ids` need inputs of rank 3, (batch, length, width). "
-            f"{received}, inputs of rank {layer._axes.rank}."
-        )
-    check_segment_ids("segment_ids", ids, inner[:2])
+    conflict = None
+    if call.cache is not None:
+        conflict = "a `cache`"
+    elif not call.self_attention:
+        conflict = "a separate `value` or `key`"
+    elif layer._axes.rank != 3:
+        conflict = f"inputs of rank {layer._axes.rank}"
+    check_segment_ids_call(call.segment_ids, inner[:2], conflict)
 
 
 def _check_rotary_call(layer, call):

@@ -12,7 +12,7 @@ from keras_attn._checks import (
     check_mask,
     check_positions,
     check_rank,
-    check_segment_ids,
+    check_segment_ids_call,
     check_width,
 )
 from keras_attn.layers._block import first_mask
@@ -89,18 +89,19 @@ def check_decoder_call(layer, args):
 
 
 def _check_segment_ids(args, batch, target):
-    """Segment ids `(batch, target_length)`, for a call without a cache."""
-    ids = args.segment_ids
-    if ids is None:
-        return
+    """Segment ids `(batch, target_length)`, for a call without a cache or
+    cross-attention: the decoder tokens would attend to every encoder
+    document (it would need the encoder's ids, which this release does not
+    take)."""
+    conflict = None
     if args.self_attention_cache is not None:
-        raise ValueError(
-            "`segment_ids` pack several sequences into one row of a whole "
-            "sequence's self-attention, not a cached decoding step. Received: "
-            f"segment_ids of shape {tuple(getattr(ids, 'shape', ()))} with a "
-            "`self_attention_cache`."
+        conflict = "a `self_attention_cache`"
+    elif args.encoder_sequence is not None or args.cross_attention_cache is not None:
+        conflict = (
+            "an `encoder_sequence` (cross-attention would need the encoder's "
+            "segment ids, which this release does not take)"
         )
-    check_segment_ids("segment_ids", ids, (batch, target))
+    check_segment_ids_call(args.segment_ids, (batch, target), conflict)
 
 
 def _check_self_attention_cache(layer, args, batch, target):

@@ -204,12 +204,16 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             keys of another sequence sit at `cache_update_index` (or 0)
             onwards. Needs `rope_max_wavelength`.
         segment_ids: optional int `(batch, query_length)`: packed sequences
-            (several documents in one row). A token attends only to tokens
-            of its own segment (ANDed with every other mask), and its
-            rotary position counts from the start of its run of equal ids
-            (`keras_attn.ops.segment_positions`; explicit `positions` win).
-            Any int values; padding is not special-cased (mask it with a
-            padding mask). Self-attention without a `cache` only.
+            (several documents in one row). A segment is a contiguous run
+            of equal ids (an id that comes back later starts a new
+            document). A token attends only to tokens of its own segment
+            (ANDed with every other mask), and its rotary position counts
+            from its segment's start (`keras_attn.ops.segment_positions`;
+            explicit `positions` win). Padding is not special-cased (mask it
+            with a padding mask). Self-attention without a `cache` only.
+            Long sequences go in chunks, memory linear in the length, but
+            with `flash_attention=True`, which folds their `(batch, 1, T,
+            T)` mask into the fused kernel's: quadratic memory.
         mask: filled in by Keras with the query's Keras mask when the query is
             the only tensor argument (self-attention); in self-attention it masks
             the keys as `value_mask` does.
@@ -394,7 +398,7 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             heads_major=cache is not None,
             logit_soft_cap=self.logit_soft_cap,
             scale=self.attention_scale,
-            segment_ids=None if segment_ids is None else (segment_ids,) * 2,
+            segment_ids=None if call.segments is None else (call.segments,) * 2,
         )  # fmt: skip
         context, scores = result if return_attention_scores else (result, None)
         return self._outputs(call, context, scores, cache)

@@ -86,11 +86,14 @@ class TransformerDecoder(TransformerBlock):
             prompts. Defaults to `self_attention_cache_update_index` (or 0)
             onwards.
         segment_ids: optional int `(batch, target_length)`: packed sequences
-            in self-attention (cross-attention is unaffected). A token attends
-            only to tokens of its own segment, and rotary positions restart at
-            each segment's start (explicit `positions` win); see
-            `keras_attn.MultiHeadAttention`. Not with a cache; padding is not
-            special-cased.
+            in self-attention, a segment a contiguous run of equal ids. A
+            token attends only to tokens of its own segment, and rotary
+            positions restart at each segment's start (explicit `positions`
+            win); see `keras_attn.MultiHeadAttention` (and its remark on
+            `flash_attention=True`). Not with a cache, nor with an
+            `encoder_sequence` (cross-attention would need the encoder's
+            segment ids, which this release does not take: a `ValueError`);
+            padding is not special-cased.
         mask, decoder_sequence_mask, encoder_sequence_mask: filled in by Keras
             with the inputs' Keras masks; not passed by hand.
 

@@ -6,7 +6,7 @@ from keras_attn._checks import (
     call_checks_skipped,
     check_broadcastable,
     check_mask,
-    check_segment_ids,
+    check_segment_ids_call,
 )
 from keras_attn.layers._block import TransformerBlock, first_mask, to_bool
 from keras_attn.layers._docs import shared_docs
@@ -57,10 +57,11 @@ class TransformerEncoder(TransformerBlock):
         attention_bias: optional float tensor broadcastable to
             `(batch, num_heads, length, length)`, added to the attention
             logits (e.g. `keras_attn.ops.alibi_bias`).
-        segment_ids: optional int `(batch, length)`: packed sequences. A
-            token attends only to tokens of its own segment, and rotary
-            positions restart at each segment's start; see
-            `keras_attn.MultiHeadAttention`. Padding is not special-cased.
+        segment_ids: optional int `(batch, length)`: packed sequences, a
+            segment a contiguous run of equal ids. A token attends only to
+            tokens of its own segment, and rotary positions restart at each
+            segment's start; see `keras_attn.MultiHeadAttention` (and its
+            remark on `flash_attention=True`). Padding is not special-cased.
         mask, inputs_mask: filled in by Keras with the input's Keras mask; not
             passed by hand.
 
@@ -147,8 +148,7 @@ class TransformerEncoder(TransformerBlock):
             (batch, self.num_heads, length, length),
             "(batch, num_heads, length, length)",
         )
-        if segment_ids is not None:
-            check_segment_ids("segment_ids", segment_ids, (batch, length))
+        check_segment_ids_call(segment_ids, (batch, length))
 
     def _attention_layers(self):
         return [self.self_attention]

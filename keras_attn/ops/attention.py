@@ -16,6 +16,7 @@ from keras_attn.ops.kernels import chunked, explicit, fused
 from keras_attn.ops.kernels.options import KernelOptions
 from keras_attn.ops.masks import merge_attention_masks, same_segment
 from keras_attn.ops.plan import plan_attention, platform_of
+from keras_attn.ops.positions import segment_runs
 
 __all__ = ["dot_product_attention"]
 
@@ -83,12 +84,19 @@ def dot_product_attention(
             `cap * tanh(logits / cap)` before the bias and the softmax (Gemma
             2); it needs the explicit path. Defaults to `None`.
         query_segment_ids: optional int `(B, T)`: packed sequences. Query
-            `i` attends to key `j` only where their segment ids are equal
-            (ANDed with every other mask); any int values, padding not
-            special-cased. Long sequences go in chunks that carry the ids,
-            so no `(T, S)` mask is built (the plan's rule 7).
-        key_segment_ids: optional int `(B, S)`, with `query_segment_ids`.
-            Defaults to `query_segment_ids` (self-attention, `S == T`).
+            `i` attends to key `j` only where both are in the same segment
+            (ANDed with every other mask), padding not special-cased. A
+            segment is a contiguous run of equal ids: an id that comes back
+            later starts a new document (as in `segment_positions`). Long
+            sequences go in chunks that carry the segments, so no `(T, S)`
+            mask is built (the plan's rule 7); with `flash_attention=True`
+            the fused kernel takes their `(B, 1, T, S)` mask, quadratic in
+            the length.
+        key_segment_ids: optional int `(B, S)`, with `query_segment_ids`:
+            the keys' ids, compared by value (an id names one document on
+            each side; runs of two sequences cannot be matched by
+            position). Defaults to `query_segment_ids` (self-attention,
+            `S == T`, by runs).
 
     Returns:
         `(B, T, H, Dv)`, or `(output, weights)` with `return_scores=True`.
@@ -115,7 +123,9 @@ def dot_product_attention(
 
 
 def _checked_segment_ids(query_ids, key_ids, query, key, heads_major):
-    """`(query_ids, key_ids)` or `None`, checked against the inputs."""
+    """The segments to compare, `(query (B, T), keys (B, S))`, or `None`,
+    checked against the inputs: the run numbers of the query ids in
+    self-attention, else both sides' ids (by value)."""
     if query_ids is None:
         if key_ids is not None:
             raise ValueError(
@@ -130,10 +140,13 @@ def _checked_segment_ids(query_ids, key_ids, query, key, heads_major):
         "query_segment_ids", query_ids, (batch, length), "(batch, query_length)"
     )
     if key_ids is None:
-        key_ids, name = query_ids, "query_segment_ids (the keys' by default)"
-    else:
-        name = "key_segment_ids"
-    check_segment_ids(name, key_ids, (batch, key_length), "(batch, key_length)")
+        name = "query_segment_ids (the keys' by default)"
+        check_segment_ids(name, query_ids, (batch, key_length), "(batch, key_length)")
+        runs = segment_runs(query_ids)  # (B, T)
+        return runs, runs
+    check_segment_ids(
+        "key_segment_ids", key_ids, (batch, key_length), "(batch, key_length)"
+    )
     return query_ids, key_ids
 
 
@@ -154,7 +167,9 @@ def attend(
 ):
     """`dot_product_attention` without its checks, for callers that checked
     what they pass (the layers check their own calls, once); `segment_ids`:
-    `(query_segment_ids, key_segment_ids)` or `None`."""
+    the segments to compare, `(query (B, T), keys (B, S))` (in
+    self-attention the run numbers `segment_runs`, computed once a call),
+    or `None`."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
@@ -173,7 +188,7 @@ def attend(
         flash_attention=flash_attention,
         platform=platform_of(query),
         exporting=exported_by_torch(),
-        segment_ids=segment_ids is not None,
+        segmented=segment_ids is not None,
     )
     if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
         mask = merge_attention_masks(mask, same_segment(*segment_ids))

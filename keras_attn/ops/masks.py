@@ -7,11 +7,13 @@ import math
 from keras import ops
 
 from keras_attn._checks import (
+    check_count,
     check_positive_float,
     check_positive_int,
     check_segment_ids,
     check_size,
 )
+from keras_attn.ops.positions import segment_runs
 
 __all__ = [
     "alibi_bias",
@@ -108,7 +110,7 @@ def sliding_window_mask(
     """
     _check_positions(query_length, key_length, query_offset)
     check_positive_int("window", window)
-    check_positive_int("attention_sinks", attention_sinks or None, allow_none=True)
+    check_count("attention_sinks", attention_sinks)
     return window_band(query_length, key_length, window, query_offset, attention_sinks)
 
 
@@ -136,30 +138,38 @@ def segment_mask(query_segment_ids, key_segment_ids=None):
     """Boolean mask of packed sequences: query `i` may attend to key `j` only
     where both belong to the same segment (document).
 
-    Any int values name the segments; padding is not special-cased (mask it
-    with a padding mask). The mask is quadratic in the length; the attention
-    op and the layers take `segment_ids` themselves and build it only where
-    the plan materializes the weights (in chunks for long sequences).
+    Self-attention (no `key_segment_ids`): a segment is a contiguous run of
+    equal ids, as for `segment_positions` and the attention sinks; an id
+    that comes back later starts a new document (`[5, 5, 2, 5]` is three).
+    With `key_segment_ids` (the keys of another sequence, whose runs cannot
+    be matched to the queries' by position) the ids are compared by value:
+    an id then names one document on each side. Padding is not
+    special-cased (mask it with a padding mask). The mask is quadratic in
+    the length; the attention op and the layers take `segment_ids`
+    themselves and build it only where the plan materializes the weights
+    (in chunks for long sequences).
 
     Args:
         query_segment_ids: int tensor `(batch, query_length)`.
         key_segment_ids: int tensor `(batch, key_length)`. Defaults to
-            `query_segment_ids` (self-attention).
+            `query_segment_ids` (self-attention, by runs).
 
     Returns:
         Bool tensor `(batch, 1, query_length, key_length)`, True where
         attention is allowed.
 
     Example:
-    >>> ids = np.array([[1, 1, 2]])
+    >>> ids = np.array([[1, 1, 2, 1]])  # three documents: the 1s are two
     >>> keras.ops.convert_to_numpy(keras_attn.ops.segment_mask(ids))[0, 0].astype(int)
-    array([[1, 1, 0],
-           [1, 1, 0],
-           [0, 0, 1]])
+    array([[1, 1, 0, 0],
+           [1, 1, 0, 0],
+           [0, 0, 1, 0],
+           [0, 0, 0, 1]])
     """
     check_segment_ids("query_segment_ids", query_segment_ids)
     if key_segment_ids is None:
-        key_segment_ids = query_segment_ids
+        runs = segment_runs(query_segment_ids)  # (B, T)
+        return same_segment(runs, runs)
     check_segment_ids(
         "key_segment_ids",
         key_segment_ids,
@@ -169,11 +179,12 @@ def segment_mask(query_segment_ids, key_segment_ids=None):
     return same_segment(query_segment_ids, key_segment_ids)
 
 
-def same_segment(query_segment_ids, key_segment_ids):
-    """`segment_mask` without its checks: `(B, 1, T, S)` from `(B, T)` and
-    `(B, S)` (or `(B, N)` rows of one chunk)."""
-    query_ids = ops.expand_dims(ops.convert_to_tensor(query_segment_ids), (1, 3))
-    key_ids = ops.expand_dims(ops.convert_to_tensor(key_segment_ids), (1, 2))
+def same_segment(query_segments, key_segments):
+    """`segment_mask` without its checks, on the segments to compare (run
+    numbers `segment_runs` in self-attention): `(B, 1, T, S)` from `(B, T)`
+    and `(B, S)` (or `(B, N)` rows of one chunk)."""
+    query_ids = ops.expand_dims(ops.convert_to_tensor(query_segments), (1, 3))
+    key_ids = ops.expand_dims(ops.convert_to_tensor(key_segments), (1, 2))
     return ops.equal(query_ids, key_ids)  # (B, 1, T, S)
 
 

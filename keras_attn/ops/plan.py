@@ -37,9 +37,10 @@ rule out, it raises (`refuse_flash`) rather than falling back.
    takes segment ids: neither Keras' op nor JAX's
    `jax.nn.dot_product_attention` (0.10: sequence lengths and a local
    window, no segments) nor torch's `scaled_dot_product_attention`.
-   FlexAttention's block masks do, but pay off only compiled
-   (`torch.compile`) on a GPU; eager, as Keras runs PyTorch, it runs an
-   unfused reference that materializes the weights, so it is not used.
+   FlexAttention's block masks do; torch documents that they pay off
+   only compiled (`torch.compile`) on a GPU, and that eager, as Keras runs
+   PyTorch, it runs an unfused reference that materializes the weights.
+   Unmeasured here (no GPU was lent to measure it), so it is not used.
    Shorter sequences fold the segment mask `(B, 1, T, S)` into the mask,
    which any kernel runs (the other rules as for any mask).
 8. Otherwise: fused, heads-major caches too: on PyTorch torch's own
@@ -51,7 +52,9 @@ rule out, it raises (`refuse_flash`) rather than falling back.
    kernel checks nothing.
 
 With `flash_attention=True` or `False` segment ids add no rule: fused with
-the segment mask folded in, or explicit (in chunks where long).
+the segment mask folded in, or explicit (in chunks where long). So
+`flash_attention=True` on a long packed sequence builds the quadratic
+`(B, 1, T, S)` segment mask: memory is no longer linear in the length.
 
 The form of a fused call:
 
@@ -168,7 +171,7 @@ def plan_attention(
     backend=None,
     platform=None,
     exporting=False,
-    segment_ids=False,
+    segmented=False,
 ):
     """The `AttentionPlan` for one call (the rules: this module's docstring).
 
@@ -189,7 +192,7 @@ def plan_attention(
         platform: `"cpu"`, `"gpu"` or `"tpu"` (see `platform_of`); defaults
             to Keras' first device.
         exporting: bool. `torch.export` is tracing the call.
-        segment_ids: bool. The call has segment ids (packed sequences): in
+        segmented: bool. The call has segment ids (packed sequences): in
             chunks they ride with each chunk, elsewhere their mask `(B, 1,
             T, S)` is folded into the mask.
 
@@ -209,14 +212,14 @@ def plan_attention(
     if not_fused and flash_attention:
         refuse_flash(not_fused)
     key_length = key_shape[2 if heads_major else 1]
-    if segment_ids:  # their mask, folded in unless in chunks
+    if segmented:  # their mask, folded in unless in chunks
         mask_shape = mask_shape or (query_shape[0], 1, query_shape[1], key_length)
     chunk_rows = None
     if not (dropout or return_scores):
         chunk_rows = _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape)
     if flash_attention is None:
         not_fused += _explicit_here(backend, platform, chunk_rows)
-        if segment_ids and chunk_rows:
+        if segmented and chunk_rows:
             not_fused += (LONG_SEGMENTS,)
     elif flash_attention is False:
         not_fused += ("flash_attention=False",)

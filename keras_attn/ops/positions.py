@@ -132,12 +132,26 @@ def run_positions(segment_ids):
     ids = ops.convert_to_tensor(segment_ids)
     length = ops.shape(ids)[1]
     index = ops.arange(0, length, dtype="int32")  # (T,)
-    changed = ops.not_equal(ids[:, 1:], ids[:, :-1])  # (B, T - 1)
-    is_start = ops.concatenate([ops.ones_like(changed[:, :1]), changed], axis=1)
+    is_start = _run_starts(ids)
     # The starts in order, then `length` for every other token: (B, T)
     starts = ops.sort(ops.where(is_start, ops.expand_dims(index, 0), length), axis=1)
-    run = ops.cumsum(ops.cast(is_start, "int32"), axis=1) - 1  # (B, T)
+    run = segment_runs(ids) - 1  # (B, T), from 0
     return index - ops.take_along_axis(starts, run, axis=1)
+
+
+def segment_runs(segment_ids):
+    """Each token's segment, numbered by its run of equal ids in the row
+    `(B, T)` int32, from 1: `[5, 5, 2, 2, 5]` gives `[1, 1, 2, 2, 3]`. An id
+    that comes back later starts a new segment, as it does for the
+    positions and the sinks; the segment mask compares these numbers."""
+    is_start = _run_starts(ops.convert_to_tensor(segment_ids))
+    return ops.cumsum(ops.cast(is_start, "int32"), axis=1)
+
+
+def _run_starts(ids):
+    """Whether each token `(B, T)` starts a run of equal ids."""
+    changed = ops.not_equal(ids[:, 1:], ids[:, :-1])  # (B, T - 1)
+    return ops.concatenate([ops.ones_like(changed[:, :1]), changed], axis=1)
 
 
 def rotary_embedding(

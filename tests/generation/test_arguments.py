@@ -279,3 +279,15 @@ def test_unsupported_token_embeddings_are_named(build, name):
     model = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
     with pytest.raises(ValueError, match=f"(?s){name}.*SinusoidalEmbedding"):
         generate(model, PROMPTS, 6)
+
+
+def test_a_decoder_called_with_segment_ids_is_not_decoded():
+    """Packed rows (`segment_ids`) are for training: a cached step cannot
+    be given them, so `generate` refuses rather than ignore them."""
+    ids = keras.Input((None,), dtype="int32")
+    segments = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, WIDTH)(ids)
+    x = keras_attn.TransformerDecoder(16, 2)(x, segment_ids=segments)
+    model = keras.Model([ids, segments], keras.layers.Dense(VOCAB)(x))
+    with pytest.raises(ValueError, match=r"(?s)cannot decode.*'segment_ids'"):
+        generate(model, PROMPTS, 6)

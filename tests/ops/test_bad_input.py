@@ -266,6 +266,20 @@ BUILDER_ROWS = [
         ValueError,
         r"query_offset=-4",
     ),
+    row(
+        "sliding_window_mask",
+        (3, 3, 2),
+        {"attention_sinks": False},
+        TypeError,
+        r"`attention_sinks` must be an int >= 0.*attention_sinks=False of type bool",
+    ),
+    row(
+        "sliding_window_mask",
+        (3, 3, 2),
+        {"attention_sinks": 0.0},
+        TypeError,
+        r"attention_sinks=0.0 of type float",
+    ),
     row("alibi_bias", (2, -1, 3), {}, ValueError, r"query_length=-1"),
     row(
         "alibi_bias",

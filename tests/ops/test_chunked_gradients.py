@@ -96,8 +96,9 @@ def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatc
 
 def test_chunked_segment_ids_equal_their_materialized_mask(small_chunks):
     """Segment ids ride with each chunk (11 rows in chunks of 4, a segment
-    across a chunk's border, an id coming back later), forward and backward:
-    they give what their mask `segment_mask` gives, materialized."""
+    across a chunk's border, an id coming back later: a third document, which
+    does not see the first), forward and backward: they give what their mask
+    `segment_mask` gives, materialized."""
     q = random_floats(2, 11, 4, 8, seed=1, scale=3.0)
     k, v = random_floats(2, 11, 2, 8, seed=2), random_floats(2, 11, 2, 8, seed=3)
     ids = np.array([[5] * 3 + [2] * 6 + [5] * 2, [1] * 11], dtype="int32")
@@ -107,6 +108,9 @@ def test_chunked_segment_ids_equal_their_materialized_mask(small_chunks):
         return attn_ops.dot_product_attention(
             q, k, v, mask=padding, is_causal=True, query_segment_ids=ids
         )
+
+    segments = keras.ops.convert_to_numpy(attn_ops.segment_mask(ids))[:, 0]
+    assert not segments[0, 9:, :3].any()  # the third document, the first's id
 
     def materialized(q, k, v):
         mask = attn_ops.merge_attention_masks(padding, attn_ops.segment_mask(ids))

@@ -70,3 +70,22 @@ def test_alibi_with_a_query_offset_is_the_rows_of_the_full_bias():
     full = to_numpy(keras_attn.ops.alibi_bias(2, 6, 6))
     step = to_numpy(keras_attn.ops.alibi_bias(2, 1, 6, query_offset=4))
     np.testing.assert_array_equal(step[:, :, 0], full[:, :, 4])
+
+
+def test_segments_are_runs_in_self_attention_and_ids_across_sequences():
+    """Self-attention: a contiguous run of equal ids is one segment, so
+    `[5, 5, 2, 5]` is three documents, as for the positions and the sinks
+    (the op's: tests/ops/test_chunked_gradients.py). The keys' own ids
+    (another sequence, `S != T`) are compared by value, by the op too."""
+    ids, keys = np.array([[5, 5, 2, 5]], "int32"), np.array([[2, 5, 5]], "int32")
+    runs = [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    np.testing.assert_array_equal(to_numpy(attn_ops.segment_mask(ids))[0, 0], runs)
+    across = ids[0, :, None] == keys[0, None, :]  # (T, S)
+    mask = to_numpy(attn_ops.segment_mask(ids, keys))
+    np.testing.assert_array_equal(mask[0, 0], across)
+    q, kv = random_floats(1, 4, 1, 4, seed=1), random_floats(1, 3, 1, 4, seed=2)
+    ours = attn_ops.dot_product_attention(
+        q, kv, kv, query_segment_ids=ids, key_segment_ids=keys
+    )
+    theirs = attn_ops.dot_product_attention(q, kv, kv, mask=mask)
+    np.testing.assert_allclose(to_numpy(ours), to_numpy(theirs), atol=1e-6)

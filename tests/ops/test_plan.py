@@ -67,7 +67,7 @@ FUSED_FORMS = {
     ),
     "grouped heads, JAX, GPU, float32: unrepeated": (dict(), False, False),
     "causal with short segment ids: their mask takes the causal one": (
-        dict(is_causal=True, segment_ids=True),
+        dict(is_causal=True, segmented=True),
         False,
         False,
     ),
@@ -122,12 +122,12 @@ EXPLICIT = {
         "dropout",
     ),
     "segment ids, long, JAX on a GPU: chunked": (
-        dict(segment_ids=True, shapes=(LONG_QUERY, LONG_KEYS)),
+        dict(segmented=True, shapes=(LONG_QUERY, LONG_KEYS)),
         "chunked",
         "segment ids",
     ),
     "segment ids, long, PyTorch on a GPU: chunked": (
-        dict(backend="torch", segment_ids=True, shapes=(LONG_QUERY, LONG_KEYS)),
+        dict(backend="torch", segmented=True, shapes=(LONG_QUERY, LONG_KEYS)),
         "chunked",
         "segment ids",
     ),
@@ -158,7 +158,7 @@ def test_long_sequences_stay_fused_where_a_kernel_streams_them():
 
 
 def test_long_segment_ids_stay_fused_where_flash_attention_is_true():
-    chosen = plan(flash_attention=True, segment_ids=True, shapes=(LONG_QUERY,) * 2)
+    chosen = plan(flash_attention=True, segmented=True, shapes=(LONG_QUERY,) * 2)
     assert chosen.kernel == "fused" and chosen.require_fused
 
 

@@ -18,12 +18,25 @@ for "a fixed tensor list size". It also recomputes each chunk's output in
 the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
 """
 
+from typing import Any, NamedTuple
+
 import keras
 from keras import ops
 
 from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.kernels import explicit
 from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
+
+
+class Masking(NamedTuple):
+    """What masks a chunk's logits: the mask and bias (`None` or rank 4),
+    `is_causal`, and the segments to compare, `(query (B, T), keys (B, S))`
+    or `None` (see `attention.attend`)."""
+
+    mask: Any
+    bias: Any
+    is_causal: bool
+    segments: Any
 
 
 def attention(
@@ -34,22 +47,23 @@ def attention(
     returns `(B, T, H, Dv)`.
 
     The rows are padded to whole chunks, and the padding cut off.
-    `segment_ids`: `(query_ids (B, T), key_ids (B, S))` or `None`; the query
-    ids go in chunks with the rows, and each chunk builds its mask from them.
+    `segment_ids`: the segments to compare, `(query (B, T), keys (B, S))`,
+    or `None`; the query's go in chunks with the rows, and each chunk builds
+    its mask from them.
     """
-    chunking = (mask, bias, is_causal, segment_ids)
+    masking = Masking(mask, bias, is_causal, segment_ids)
     length = query.shape[1]
     count = -(-length // plan.chunk_rows)
     rows = -(-length // count)  # the fewest padded rows for `count` chunks
     if plan.chunk_gradient == "remat":
-        return _recomputed(query, key, value, chunking, count, rows, options)
+        return _recomputed(query, key, value, masking, count, rows, options)
 
     @ops.custom_gradient
     def attend(query, key, value, *bias):
         # Only what may need a gradient is an argument (the mask is not).
         inputs = (query, key, value, *bias)
         bias_or_none = bias[0] if bias else None
-        chunks, shared = _split(query, (mask, bias_or_none, *chunking[2:]), count, rows)
+        chunks, shared = _split(query, masking._replace(bias=bias_or_none), count, rows)
         output, log_sum = _forward(chunks, shared, key, value, options)
 
         def gradient(*args, upstream=None):
@@ -74,12 +88,11 @@ def attention(
     return attend(query, key, value, *([] if bias is None else [bias]))
 
 
-def _recomputed(query, key, value, chunking, count, rows, options):
+def _recomputed(query, key, value, masking, count, rows, options):
     """`attention` with each chunk under `keras.remat`, differentiated by the
-    backend (`plan.CHUNKS_REMATERIALIZED`); `chunking`: `(mask, bias,
-    is_causal, segment_ids)`."""
+    backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`."""
     length = query.shape[1]
-    chunks, shared = _split(query, chunking, count, rows)
+    chunks, shared = _split(query, masking, count, rows)
 
     def step(previous, chunk):
         def attend(query, key, value, *bias):
@@ -102,21 +115,20 @@ def _recomputed(query, key, value, chunking, count, rows, options):
     return _joined(ops.scan(step, first, chunks)[1], length)
 
 
-def _split(query, chunking, count, rows):
+def _split(query, masking, count, rows):
     """`(chunks, shared)`: each chunk's inputs, stacked `(N, ...)`, and the
-    inputs all chunks share; `chunking`: `(mask, bias, is_causal,
-    segment_ids)`."""
-    mask, bias, is_causal, segment_ids = chunking
+    inputs all chunks share; `masking`: a `Masking`."""
     chunks, shared = {"query": _in_chunks(query, 1, count, rows)}, {}
-    if segment_ids is not None:  # the rows' ids per chunk, the keys' shared
-        chunks["segments"] = _in_chunks(segment_ids[0], 1, count, rows)  # (N, B, C)
-        shared["key_segments"] = segment_ids[1]  # (B, S)
-    for name, x in (("mask", mask), ("bias", bias)):
+    if masking.segments is not None:  # the rows' per chunk, the keys' shared
+        query_segments, key_segments = masking.segments
+        chunks["segments"] = _in_chunks(query_segments, 1, count, rows)  # (N, B, C)
+        shared["key_segments"] = key_segments  # (B, S)
+    for name, x in (("mask", masking.mask), ("bias", masking.bias)):
         if x is not None and x.shape[2] != 1:  # per query row: chunked too
             chunks[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
         elif x is not None:
             shared[name] = x
-    if is_causal:  # each chunk's first row
+    if masking.is_causal:  # each chunk's first row
         chunks["offset"] = ops.arange(0, count * rows, rows, dtype="int32")
     return chunks, shared
 
