@@ -1,6 +1,8 @@
 """`generate`, the public entry of cached decoding: it checks the call once,
 then finds (or compiles) the decoding loop for the model and runs it."""
 
+import contextlib
+import dataclasses
 import weakref
 
 import keras
@@ -39,7 +41,7 @@ def generate(
     on_token=None,
     jit_compile="auto",
     draft_model=None,
-    num_speculative_tokens=4,
+    num_speculative_tokens=None,
     return_acceptance=False,
 ):
     """Generate token ids with cached decoding from a keras_attn model.
@@ -167,7 +169,8 @@ def generate(
             distributions after `temperature`, `top_k`, `top_p`), so the
             tokens follow the target's distribution (not the same draws as
             without a draft). It must take the target's inputs and score
-            the same vocabulary. Not with `"beam"`, a `repetition_penalty`
+            the same vocabulary. Every row advances by the fewest tokens
+            accepted among the running rows. Not with `"beam"`, a `repetition_penalty`
             or `(prefill, step)` functions. Compiled as one `while_loop` on
             JAX and TensorFlow; on PyTorch (and with `on_token` or
             `jit_compile=False`) the rounds run from Python, which reads the
@@ -175,7 +178,11 @@ def generate(
             round as it does the step. Sliding-window decoders keep full
             caches (no rolling).
         num_speculative_tokens: int >= 1, keyword only. Draft tokens per
-            round. Defaults to `4`; only with `draft_model`.
+            round; only with `draft_model` (without one, any value but
+            `None` raises). Defaults to `None`: 4 with a draft model. A
+            round runs `num_speculative_tokens - 1` positions past the
+            returned length (discarded): both models' position tables must
+            hold them.
         return_acceptance: bool, keyword only. Also return the draft's
             acceptance rate, a float: draft tokens the target accepted over
             those proposed, counted over the rows still running (NaN if
@@ -227,14 +234,14 @@ def generate(
         settings, draft_model, num_speculative_tokens, return_acceptance
     )
     owner, plan = _plan(model)
-    draft = _draft_plan(draft_model, plan)
+    draft = _draft_plan(draft_model, model, plan, k)
     prompt, sources = plan.split_inputs(inputs)
     prompt, pads, right_padded = prompts.left_pad(prompt, settings.pad_token_id)
     length, returned = prompts.decoding_length(
         settings, prompt.shape[1], pads, right_padded
     )
     # A speculative round runs up to k - 1 positions past `length`.
-    prompts.check_positions(length + max(k - 1, 0), pads, plan.max_positions)
+    prompts.check_positions(length, pads, plan.max_positions, spare=max(k - 1, 0))
     if plan.vocabulary_size is not None:
         prompts.check_token_ids(
             prompt,
@@ -245,22 +252,25 @@ def generate(
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
     sources = {f"encoder_{i}": x for i, x in enumerate(sources)}
     if draft:
-        sources.update(_draft_sources(draft[1], inputs, length + k - 1, pads))
-        draft = (*draft, k)
+        sources.update(_draft_sources(draft, inputs, length, pads))
     plan.warn_if_probabilities(method)
     outputs = _decode(
         owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token,
         draft,
     )  # fmt: skip
-    tokens = prompts.to_user_layout(
-        outputs["tokens"].astype("int32"), pads, right_padded, returned, pad_token_id
-    )
-    results = [tokens]
-    if return_scores:
+    layout = (pads, right_padded, returned)
+    return _results(outputs, layout, settings, return_acceptance)
+
+
+def _results(outputs, layout, settings, return_acceptance):
+    """`generate`'s return value from the loop's numpy outputs: tokens in the
+    user's layout (`(pads, right_padded, returned length)`), then the scores
+    and the acceptance rate where asked for."""
+    tokens = outputs["tokens"].astype("int32")
+    results = [prompts.to_user_layout(tokens, *layout, settings.pad_token_id)]
+    if settings.return_scores:
         scores = outputs["scores"].astype("float32")
-        results.append(
-            prompts.to_user_layout(scores, pads, right_padded, returned, 0.0)
-        )
+        results.append(prompts.to_user_layout(scores, *layout, 0.0))
     if return_acceptance:
         results.append(float(outputs.get("acceptance", np.nan)))
     return results[0] if len(results) == 1 else tuple(results)
@@ -372,21 +382,21 @@ class _FunctionPlan:
 def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
     """The compiled loop for these settings, prompt width and length, and
     Keras' flash attention switch (which the attention plan reads when the
-    loop is traced); with `draft`, `(draft model, its plan, k)`, speculative."""
+    loop is traced); with a `Draft`, speculative."""
     functions = getattr(plan, "functions", None)
     functions_key = functions and tuple(map(_function_key, functions))
     flash = keras.config.is_flash_attention_enabled()
-    draft_key = draft and (draft[0], draft[2])
+    draft_key = draft and (draft.model, draft.k)
     key = (settings, width, length, jit_compile, functions_key, flash, draft_key)
     cache = _GENERATORS.setdefault(owner, {})
     if key in cache:
         return cache[key]
     if draft:
-        size = length + draft[2] + 1
+        size = length + draft.k + 1
         cache[key] = SpeculativeGenerator(
             ModelAdapter(plan, size, roll=False),
-            ModelAdapter(draft[1], size, roll=False),
-            settings, width, length, draft[2], jit_compile,
+            ModelAdapter(draft.plan, size, roll=False),
+            settings, width, length, draft.k, jit_compile,
         )  # fmt: skip
         return cache[key]
     if functions:
@@ -403,44 +413,100 @@ def _function_key(function):
     return getattr(function, "__func__", function)
 
 
-def _draft_sources(plan, inputs, positions, pads):
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draft:
+    """A checked draft model: the model, its `GraphPlan` and `k`, the draft
+    tokens per round (`num_speculative_tokens`)."""
+
+    model: keras.Model
+    plan: GraphPlan
+    k: int
+
+
+def _draft_sources(draft, inputs, length, pads):
     """The draft's encoder inputs, checked, by batch key; raises if the draft
-    would run past its position table."""
-    prompts.check_positions(positions, pads, plan.max_positions)
-    sources = prompts.check_sources(
-        plan.split_inputs(inputs)[1], plan.source_specs, len(pads)
+    would run past its position table (a round's `k - 1` spare positions
+    included)."""
+    prompts.check_positions(
+        length, pads, draft.plan.max_positions, spare=draft.k - 1, model="draft_model"
     )
+    with _naming_draft_model():
+        encoder_inputs = draft.plan.split_inputs(inputs)[1]
+    sources = prompts.check_sources(encoder_inputs, draft.plan.source_specs, len(pads))
     return {f"draft_encoder_{i}": x for i, x in enumerate(sources)}
 
 
-def _draft_plan(draft_model, plan):
-    """`(draft model, its GraphPlan)`, checked against the target's `plan`,
-    or None without a draft."""
+@contextlib.contextmanager
+def _naming_draft_model():
+    """Errors from reading the draft model's graph, re-raised naming
+    `draft_model` (the cause kept)."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"`draft_model`: {error}") from error
+
+
+def _draft_plan(draft_model, model, plan, k):
+    """A `Draft`, checked against the target's `plan`, or None without a
+    draft model."""
     if draft_model is None:
         return None
-    if isinstance(plan, _FunctionPlan) or not isinstance(draft_model, keras.Model):
-        received = (
-            "a `(prefill, step)` pair as `model`"
-            if isinstance(plan, _FunctionPlan)
-            else f"draft_model of type {type(draft_model).__name__}"
+    if not isinstance(draft_model, keras.Model):
+        raise TypeError(
+            "`draft_model` must be a functional keras.Model (not `(prefill, "
+            "step)` functions). Received: draft_model of type "
+            f"{type(draft_model).__name__}."
         )
+    if isinstance(plan, _FunctionPlan):
         raise ValueError(
-            "Speculative decoding needs functional keras.Models as `model` and "
-            f"`draft_model` (not `(prefill, step)` functions). Received: {received}."
+            "Speculative decoding needs a functional keras.Model as `model`, "
+            "not `(prefill, step)` functions. Received a `(prefill, step)` "
+            "pair as `model` with a `draft_model`."
         )
-    _, draft = _plan(draft_model)
+    with _naming_draft_model():
+        _, draft = _plan(draft_model)
+    _check_draft_vocabulary((draft_model, draft), (model, plan))
+    _check_draft_inputs(draft, plan)
+    return Draft(draft_model, draft, k)
+
+
+def _check_draft_vocabulary(draft, target):
+    """The draft must embed and score the target's tokens: the embeddings'
+    sizes and the logits' last dimensions (which must be known: they are
+    compared here, not inside the compiled loop). Each is `(model, plan)`."""
+    (draft_model, draft), (model, plan) = draft, target
     if draft.vocabulary_size != plan.vocabulary_size:
         raise ValueError(
             "`draft_model` must score the target's vocabulary. Received a "
             f"draft with vocabulary_size={draft.vocabulary_size}; the target "
             f"has {plan.vocabulary_size}."
         )
-    if len(draft.inputs) != len(plan.inputs) or len(draft.source_specs) != len(
-        plan.source_specs
-    ):
+    widths = [m.outputs[0].shape[-1] for m in (model, draft_model)]
+    if None in widths:
+        raise ValueError(
+            "`draft_model` and `model` must score a vocabulary of a known "
+            "size (the last dimension of their logits), to compare them "
+            f"before decoding. Received logits of {widths[1]} (draft) and "
+            f"{widths[0]} (target) tokens."
+        )
+    if widths[0] != widths[1]:
+        raise ValueError(
+            "`draft_model` must score the target's vocabulary. Received a "
+            f"draft whose logits score {widths[1]} tokens; the target's "
+            f"{widths[0]}."
+        )
+
+
+def _check_draft_inputs(draft, plan):
+    """The draft must take the target's inputs: as many, and encoder inputs
+    of the same specs."""
+    counts = [(len(p.inputs), len(p.source_specs)) for p in (draft, plan)]
+    specs = [[(s.shape[1:], s.integer) for s in p.source_specs] for p in (draft, plan)]
+    if counts[0] != counts[1] or specs[0] != specs[1]:
         raise ValueError(
             "`draft_model` must take the target's inputs (decoder-only, or "
             "the same encoder inputs). Received a draft with "
-            f"{len(draft.inputs)} inputs; the target has {len(plan.inputs)}."
+            f"{counts[0][0]} inputs, {counts[0][1]} of them encoder inputs "
+            f"(shapes, int: {specs[0]}); the target has {counts[1][0]}, "
+            f"{counts[1][1]} ({specs[1]})."
         )
-    return draft_model, draft

@@ -55,7 +55,7 @@ class Generator(keras.Model):
         segments = _segments(self.width + 1, self.length)
         if isinstance(self.adapter, FunctionAdapter) or self.compiled_steps is not None:
             segments = [self.length]  # PyTorch: one compile per `generate` shape
-        sources = [inputs[f"encoder_{i}"] for i in range(_count(inputs, "encoder_"))]
+        sources = numbered(inputs, "encoder_")
         pads = ops.cast(inputs["pads"], "int32")
         logits, model = self.adapter.prefill(
             inputs["prompt"], pads, sources, segments[0]
@@ -148,9 +148,7 @@ class Generator(keras.Model):
     def _compiled(self, state, numbers):
         """PyTorch: the step exported and compiled for these shapes (one
         segment, the whole length: one compile per `generate` shape)."""
-        key = tuple(  # exported for these shapes (the source's length too)
-            (tuple(x.shape), str(x.dtype)) for x in keras.tree.flatten(state)
-        )
+        key = shapes_key(state)  # the source's length too
         if key not in self.compiled_steps:
             from keras_attn.generation import _torch
 
@@ -228,8 +226,17 @@ def _seen(prompt, pads, vocabulary):
     return counts > 0
 
 
-def _count(inputs, prefix):
-    return sum(1 for key in inputs if key.startswith(prefix))
+def numbered(inputs, prefix):
+    """The batch's entries `prefix0, prefix1, ...` in order (e.g. the encoder
+    inputs, `"encoder_"`)."""
+    count = sum(1 for key in inputs if key.startswith(prefix))
+    return [inputs[f"{prefix}{i}"] for i in range(count)]
+
+
+def shapes_key(state):
+    """The shapes and dtypes of a state's tensors: what a step (or round)
+    compiled on PyTorch is exported for."""
+    return tuple((tuple(x.shape), str(x.dtype)) for x in keras.tree.flatten(state))
 
 
 def _segments(first, length, smallest=64):

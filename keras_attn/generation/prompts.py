@@ -88,16 +88,26 @@ def decoding_length(settings, width, pads, right_padded):
     return settings.max_length + extra, settings.max_length
 
 
-def check_positions(length, pads, max_positions):
-    """Raise if a row's sequence (prompt and new tokens) runs past the
-    model's learned position table (`max_positions`; None: no table)."""
-    longest = length - int(pads.min())
-    if max_positions is not None and longest > max_positions:
-        raise ValueError(
-            f"`generate` would run a sequence of {longest} tokens through a "
-            f"model whose PositionEmbedding holds {max_positions} positions. "
-            "Pass a `max_length` (or `max_new_tokens`) that fits."
+def check_positions(length, pads, max_positions, spare=0, model="model"):
+    """Raise if a row's sequence (prompt, new tokens and the `spare`
+    positions a speculative round runs past `length`) runs past the learned
+    position table (`max_positions`; None: no table) of `model` (the
+    argument's name)."""
+    longest = length + spare - int(pads.min())
+    if max_positions is None or longest <= max_positions:
+        return
+    fix = "Pass a `max_length` (or `max_new_tokens`) that fits."
+    if spare:
+        fix = (
+            f"{spare} of them are spare positions a speculative round runs "
+            "past the returned length (`num_speculative_tokens` - 1 draft "
+            "tokens, discarded there). Pass a smaller `max_length` (or "
+            "`max_new_tokens`) or `num_speculative_tokens`."
         )
+    raise ValueError(
+        f"`generate` would run a sequence of {longest} tokens through "
+        f"`{model}`, whose PositionEmbedding holds {max_positions} positions. " + fix
+    )
 
 
 def to_user_layout(rows, pads, right_padded, length, fill):

@@ -9,6 +9,7 @@ import numpy as np
 
 METHODS = ("greedy", "sample", "beam")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "seed")
+DRAFT_TOKENS = 4  # `num_speculative_tokens=None` with a draft model
 # The compiled loop's numeric inputs (`Settings.numbers()`).
 NUMBERS = (
     "seed",
@@ -196,7 +197,8 @@ def _check_float(name, value, expected, valid):
 
 def check_speculation(settings, draft_model, k, return_acceptance):
     """Refuse what speculative decoding cannot do, naming the argument;
-    returns the draft tokens per round (`0`: no draft model)."""
+    returns the draft tokens per round (`0`: no draft model;
+    `DRAFT_TOKENS` for `k=None` with one)."""
     if not isinstance(return_acceptance, bool):
         raise TypeError(
             "`return_acceptance` must be a bool. "
@@ -208,12 +210,13 @@ def check_speculation(settings, draft_model, k, return_acceptance):
                 "`return_acceptance=True` reports a draft model's acceptance "
                 "rate: pass a `draft_model`. Received draft_model=None."
             )
-        if k != 4:
+        if k is not None:
             raise ValueError(
                 "`num_speculative_tokens` only applies with a `draft_model`. "
                 f"Received num_speculative_tokens={k!r} and draft_model=None."
             )
         return 0
+    k = DRAFT_TOKENS if k is None else k
     _check_int("num_speculative_tokens", k, minimum=1)
     refused = {
         "method": (settings.method == "beam", "speculative decoding needs "

@@ -8,10 +8,14 @@ rejection rule (`rejection_sample`), so the tokens follow the target's
 distribution. The loop is `loop.Generator`'s, with a round of `k + 1` new
 positions in the place of a step. Its state:
 
-- `index`: the next position to fill; the token at `index - 1` is written but
-  neither model has run it yet ("pending"), and both caches hold every
-  position before it. Rolling back after a rejection is moving `index`:
-  cache positions past it are hidden by the causal mask and written again.
+- `index`: the next position to fill; the token at `index - 1` is written
+  ("pending") and both caches hold every position before it. A round runs
+  both models from the pending token on. After a round neither model has
+  run it (it is the target's own token: a replacement or the bonus); in the
+  first round it is the prompt's last token, which prefill ran, and the
+  round writes the same keys and values again. Rolling back after a
+  rejection is moving `index`: cache positions past it are hidden by the
+  causal mask and written again.
 - `tokens` `(B, length + k + 1)`: a round writes `k + 1` columns at `index`
   (those past what it keeps as padding); the spare columns are cut off.
 - `target`, `draft`: each model's state (its adapter's); `done`, `scores`
@@ -19,12 +23,11 @@ positions in the place of a step. Its state:
   proposed over the rows still running, for the acceptance rate.
 """
 
-import keras
 from keras import ops
 
 from keras_attn.generation import strategies
 from keras_attn.generation.adapter import pad_to
-from keras_attn.generation.loop import Generator, _count
+from keras_attn.generation.loop import Generator, numbered, shapes_key
 from keras_attn.generation.settings import NUMBERS
 
 # Random streams of a round: a draft token's draw, its acceptance test, the
@@ -87,8 +90,9 @@ class SpeculativeGenerator(Generator):
         models = {}
         for name, adapter in (("target", self.adapter), ("draft", self.draft)):
             prefix = "encoder_" if name == "target" else "draft_encoder_"
-            sources = [inputs[f"{prefix}{i}"] for i in range(_count(inputs, prefix))]
-            models[name] = adapter.prefill(prompt, pads, sources, size)[1]
+            models[name] = adapter.prefill(
+                prompt, pads, numbered(inputs, prefix), size
+            )[1]
         state = {
             "index": ops.convert_to_tensor(self.width, "int32"),
             "tokens": pad_to(
@@ -128,7 +132,7 @@ class SpeculativeGenerator(Generator):
     def _compiled_round(self, state, numbers):
         """PyTorch: the round exported and compiled for these shapes, as
         `Generator._compiled` does the step (the draft's weights included)."""
-        key = tuple((tuple(x.shape), str(x.dtype)) for x in keras.tree.flatten(state))
+        key = shapes_key(state)
         if key not in self.compiled_steps:
             from keras_attn.generation import _torch
 
