@@ -24,16 +24,7 @@ from keras_attn._version import __version__
 
 def check_seed(seed):
     """Raise unless `seed` is `None` or an int >= 0."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(
-            "`seed` must be None or an int >= 0. "
-            f"Received: seed={seed!r} of type {type(seed).__name__}."
-        )
-    if seed < 0:
-        raise ValueError(f"`seed` must be None or an int >= 0. Received: seed={seed}.")
-    return int(seed)
+    return None if seed is None else check_count("seed", seed, allow_none=True)
 
 
 def check_positive_int(name, value, allow_none=False):
@@ -51,15 +42,19 @@ def check_positive_int(name, value, allow_none=False):
     return int(value)
 
 
-def check_count(name, value):
-    """Raise unless `value` is an int >= 0 (not a bool, not a float)."""
+def check_count(name, value, allow_none=False):
+    """Raise unless `value` is an int >= 0 (not a bool, not a float), or
+    `None` where allowed."""
+    if value is None and allow_none:
+        return None
+    expected = "None or an int >= 0" if allow_none else "an int >= 0"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
-            f"`{name}` must be an int >= 0. "
+            f"`{name}` must be {expected}. "
             f"Received: {name}={value!r} of type {type(value).__name__}."
         )
     if value < 0:
-        raise ValueError(f"`{name}` must be an int >= 0. Received: {name}={value}.")
+        raise ValueError(f"`{name}` must be {expected}. Received: {name}={value}.")
     return int(value)
 
 

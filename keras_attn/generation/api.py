@@ -161,16 +161,16 @@ def generate(
             speculative decoding (Leviathan et al., 2022). Each round the
             draft proposes `num_speculative_tokens` tokens one at a time
             (with its own caches), the target scores them in one pass, and
-            every row keeps the longest prefix all running rows accepted,
-            plus the target's own next token. `"greedy"` gives the tokens
+            every row keeps the prefix that every running row accepted
+            (the fewest tokens among them), plus the target's own next
+            token. `"greedy"` gives the tokens
             of plain greedy decoding; `"sample"` accepts a draft token `x`
             with probability `min(1, p(x) / q(x))`, else draws from
             `max(0, p - q)` (`p`, `q`: the target's and the draft's
             distributions after `temperature`, `top_k`, `top_p`), so the
             tokens follow the target's distribution (not the same draws as
             without a draft). It must take the target's inputs and score
-            the same vocabulary. Every row advances by the fewest tokens
-            accepted among the running rows. Not with `"beam"`, a `repetition_penalty`
+            the same vocabulary. Not with `"beam"`, a `repetition_penalty`
             or `(prefill, step)` functions. Compiled as one `while_loop` on
             JAX and TensorFlow; on PyTorch (and with `on_token` or
             `jit_compile=False`) the rounds run from Python, which reads the
@@ -432,7 +432,9 @@ def _draft_sources(draft, inputs, length, pads):
     )
     with _naming_draft_model():
         encoder_inputs = draft.plan.split_inputs(inputs)[1]
-    sources = prompts.check_sources(encoder_inputs, draft.plan.source_specs, len(pads))
+        sources = prompts.check_sources(
+            encoder_inputs, draft.plan.source_specs, len(pads)
+        )
     return {f"draft_encoder_{i}": x for i, x in enumerate(sources)}
 
 
@@ -498,15 +500,18 @@ def _check_draft_vocabulary(draft, target):
 
 
 def _check_draft_inputs(draft, plan):
-    """The draft must take the target's inputs: as many, and encoder inputs
-    of the same specs."""
+    """The draft must take the target's inputs: as many, in the same places
+    (the token ids and each encoder input), of the same specs."""
     counts = [(len(p.inputs), len(p.source_specs)) for p in (draft, plan)]
     specs = [[(s.shape[1:], s.integer) for s in p.source_specs] for p in (draft, plan)]
-    if counts[0] != counts[1] or specs[0] != specs[1]:
+    places = [(p.prompt_index, list(p.encoder_indices)) for p in (draft, plan)]
+    if counts[0] != counts[1] or specs[0] != specs[1] or places[0] != places[1]:
         raise ValueError(
             "`draft_model` must take the target's inputs (decoder-only, or "
-            "the same encoder inputs). Received a draft with "
-            f"{counts[0][0]} inputs, {counts[0][1]} of them encoder inputs "
-            f"(shapes, int: {specs[0]}); the target has {counts[1][0]}, "
-            f"{counts[1][1]} ({specs[1]})."
+            "the same encoder inputs, in the same order). Received a draft "
+            f"with {counts[0][0]} inputs, {counts[0][1]} of them encoder "
+            f"inputs (shapes, int: {specs[0]}; token ids at input "
+            f"{places[0][0]}, encoder inputs at {places[0][1]}); the target "
+            f"has {counts[1][0]}, {counts[1][1]} ({specs[1]}; {places[1][0]}, "
+            f"{places[1][1]})."
         )

@@ -265,7 +265,9 @@ def _check_model(model):
 
 def _check_decoder_call(layer, kwargs, tensors):
     """Refuse decoder calls the cached steps cannot reproduce."""
-    extra = sorted(set(tensors) & set(STEP_UNSAFE))
+    # Tensors, or constants the model was built with (e.g. numpy ids).
+    given = [*tensors, *(k for k, v in kwargs.items() if v is not None)]
+    extra = sorted(set(given) & set(STEP_UNSAFE))
     if extra:
         raise ValueError(
             f"`generate` cannot decode {layer.name}: it is called with {extra}, "

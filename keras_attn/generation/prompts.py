@@ -97,7 +97,7 @@ def check_positions(length, pads, max_positions, spare=0, model="model"):
     if max_positions is None or longest <= max_positions:
         return
     fix = "Pass a `max_length` (or `max_new_tokens`) that fits."
-    if spare:
+    if spare and longest - spare <= max_positions:
         fix = (
             f"{spare} of them are spare positions a speculative round runs "
             "past the returned length (`num_speculative_tokens` - 1 draft "

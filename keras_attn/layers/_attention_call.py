@@ -3,7 +3,6 @@ accepts, checked once (at the call the user made, not again in a block's
 sublayer)."""
 
 import dataclasses
-import functools
 from typing import Any
 
 from keras import ops
@@ -60,6 +59,8 @@ class AttentionCall:
     segment_ids: Any = None
     mask: Any = None
     self_attention: bool = dataclasses.field(init=False)
+    _segments: Any = dataclasses.field(default=None, init=False, repr=False)
+    _segment_positions: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         # Identity, not `in`: `key in (None, query)` compares tensors by value.
@@ -75,19 +76,23 @@ class AttentionCall:
         if self.key is None:
             self.key = self.value
 
-    @functools.cached_property
+    # Not `functools.cached_property`: on Python 3.11 it takes an `RLock`,
+    # which `torch.compile` cannot trace (a graph break in every call).
+    @property
     def segments(self):
         """The segments of `segment_ids` `(B, T)` (their runs, numbered from
         1), to compare in the attention, or `None`; computed once a call."""
-        return None if self.segment_ids is None else segment_runs(self.segment_ids)
+        if self._segments is None and self.segment_ids is not None:
+            self._segments = segment_runs(self.segment_ids)
+        return self._segments
 
-    @functools.cached_property
+    @property
     def segment_positions(self):
         """Each token's position in its segment `(B, T)`, or `None`; computed
         once a call (for the rotary positions and the sinks)."""
-        if self.segment_ids is None:
-            return None
-        return run_positions(self.segment_ids)
+        if self._segment_positions is None and self.segment_ids is not None:
+            self._segment_positions = run_positions(self.segment_ids)
+        return self._segment_positions
 
     @property
     def projects_keys(self):

@@ -97,9 +97,14 @@ def _check_segment_ids(args, batch, target):
     if args.self_attention_cache is not None:
         conflict = "a `self_attention_cache`"
     elif args.encoder_sequence is not None or args.cross_attention_cache is not None:
+        given = (
+            "n `encoder_sequence`"
+            if args.encoder_sequence is not None
+            else (" `cross_attention_cache`")
+        )
         conflict = (
-            "an `encoder_sequence` (cross-attention would need the encoder's "
-            "segment ids, which this release does not take)"
+            f"a{given} (cross-attention would need the encoder's segment ids, "
+            "which this release does not take)"
         )
     check_segment_ids_call(args.segment_ids, (batch, target), conflict)
 

@@ -211,9 +211,9 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             from its segment's start (`keras_attn.ops.segment_positions`;
             explicit `positions` win). Padding is not special-cased (mask it
             with a padding mask). Self-attention without a `cache` only.
-            Long sequences go in chunks, memory linear in the length, but
-            with `flash_attention=True`, which folds their `(batch, 1, T,
-            T)` mask into the fused kernel's: quadratic memory.
+            Long sequences go in chunks, memory linear in the length,
+            except with `flash_attention=True`, which folds their `(batch,
+            1, T, T)` mask into the fused kernel's: quadratic memory.
         mask: filled in by Keras with the query's Keras mask when the query is
             the only tensor argument (self-attention); in self-attention it masks
             the keys as `value_mask` does.

@@ -86,7 +86,8 @@ def sliding_window_mask(
         window: int >= 1. Width of the band on each side, the query included.
         query_offset: int >= 0 or scalar int tensor. Absolute position of the first
             query. Defaults to `0`.
-        attention_sinks: int >= 0. Number of leading keys every query may
+        attention_sinks: int >= 0 or `None` (none, as a layer's
+            `attention_sinks=None`). Number of leading keys every query may
             attend to, however far. Defaults to `0`.
 
     Returns:
@@ -110,8 +111,8 @@ def sliding_window_mask(
     """
     _check_positions(query_length, key_length, query_offset)
     check_positive_int("window", window)
-    check_count("attention_sinks", attention_sinks)
-    return window_band(query_length, key_length, window, query_offset, attention_sinks)
+    sinks = check_count("attention_sinks", attention_sinks, allow_none=True) or 0
+    return window_band(query_length, key_length, window, query_offset, sinks)
 
 
 def window_band(query_length, key_length, window, query_offset=0, sinks=0):

@@ -43,7 +43,7 @@ rule out, it raises (`refuse_flash`) rather than falling back.
    `benchmarks/flex_attention.py`). It is not used: it runs fused only
    under `torch.compile` (eager, as Keras runs PyTorch, it runs an unfused
    reference that materializes the weights), it has no backward pass on a
-   CPU (torch 2.13), and its GPU numbers are unmeasured (no GPU was lent).
+   CPU (torch 2.13), and it is not yet measured on a GPU.
    Shorter sequences fold the segment mask `(B, 1, T, S)` into the mask,
    which any kernel runs (the other rules as for any mask).
 8. Otherwise: fused, heads-major caches too: on PyTorch torch's own

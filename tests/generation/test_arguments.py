@@ -291,3 +291,9 @@ def test_a_decoder_called_with_segment_ids_is_not_decoded():
     model = keras.Model([ids, segments], keras.layers.Dense(VOCAB)(x))
     with pytest.raises(ValueError, match=r"(?s)cannot decode.*'segment_ids'"):
         generate(model, PROMPTS, 6)
+    # Ids the model was built with, a constant: refused too, not dropped.
+    x = keras.layers.Embedding(VOCAB, WIDTH)(ids)
+    x = keras_attn.TransformerDecoder(16, 2)(x, segment_ids=np.zeros((2, 3), "int32"))
+    model = keras.Model(ids, keras.layers.Dense(VOCAB)(x))
+    with pytest.raises(ValueError, match=r"(?s)cannot decode.*'segment_ids'"):
+        generate(model, PROMPTS, 6)

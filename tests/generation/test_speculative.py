@@ -218,6 +218,11 @@ def test_bad_speculative_input(gpt, options, error, match):
 def test_a_draft_must_take_the_target_inputs(gpt, translator):
     with pytest.raises(ValueError, match="1 inputs, 0 of them encoder.*has 2, 1"):
         generate(translator, [LEFT_PADDED, LEFT_PADDED], 8, draft_model=gpt)
+    # The same inputs in another order: the draft would read the ids as its
+    # source (specs alike), and accept nothing, silently.
+    swapped = keras.Model(translator.inputs[::-1], translator.outputs)
+    with pytest.raises(ValueError, match=r"(?s)same order.*token ids at input"):
+        generate(translator, [LEFT_PADDED, LEFT_PADDED], 8, draft_model=swapped)
 
 
 # Compiling the loop costs 7 s on JAX, 3 s on TensorFlow (suite time): the

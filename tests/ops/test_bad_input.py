@@ -271,7 +271,7 @@ BUILDER_ROWS = [
         (3, 3, 2),
         {"attention_sinks": False},
         TypeError,
-        r"`attention_sinks` must be an int >= 0.*attention_sinks=False of type bool",
+        r"`attention_sinks` must be None or an int >= 0.*=False of type bool",
     ),
     row(
         "sliding_window_mask",
