@@ -129,9 +129,11 @@ import json, sys
 import keras, numpy as np
 import keras_attn
 from keras_attn.generation import generate
-model = keras.models.load_model(sys.argv[1])
+model, draft = (keras.models.load_model(path) for path in sys.argv[1:])
 prompts = np.array({PROMPTS.tolist()}, "int32")
-print(json.dumps(generate(model, prompts, {LENGTH}, **{SAMPLE}).tolist()))
+plain = generate(model, prompts, {LENGTH}, **{SAMPLE})
+speculated = generate(model, prompts, {LENGTH}, draft_model=draft, **{SAMPLE})
+print(json.dumps([plain.tolist(), speculated.tolist()]))
 """
 
 
@@ -143,14 +145,16 @@ print(json.dumps(generate(model, prompts, {LENGTH}, **{SAMPLE}).tolist()))
 )
 def test_sampling_draws_the_same_tokens_on_every_backend(tmp_path):
     """A saved model samples the same tokens on JAX (here), TensorFlow and
-    PyTorch (subprocesses, run meanwhile)."""
+    PyTorch (subprocesses, run meanwhile), alone and with a draft model
+    (speculative rejection sampling draws from the same counters)."""
     require("tensorflow", "torch")
-    model, _, _ = one_decoder_model(VOCAB, WIDTH, seed=4)
-    path = str(tmp_path / "tiny.keras")
-    model.save(path)
+    paths = []
+    for name, seed in (("tiny", 4), ("draft", 5)):
+        paths.append(str(tmp_path / f"{name}.keras"))
+        one_decoder_model(VOCAB, WIDTH, seed=seed)[0].save(paths[-1])
     processes = {
         backend: subprocess.Popen(
-            [sys.executable, "-c", SAMPLE_SCRIPT, path],
+            [sys.executable, "-c", SAMPLE_SCRIPT, *paths],
             env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -161,8 +165,14 @@ def test_sampling_draws_the_same_tokens_on_every_backend(tmp_path):
     }
     deadline = time.monotonic() + 300
     try:
+        model, draft = (keras.models.load_model(path) for path in paths)
         results = {
-            "jax": generate(keras.models.load_model(path), PROMPTS, LENGTH, **SAMPLE)
+            "jax": np.array(
+                [
+                    generate(model, PROMPTS, LENGTH, **SAMPLE),
+                    generate(model, PROMPTS, LENGTH, draft_model=draft, **SAMPLE),
+                ]
+            )
         }
         for backend, process in processes.items():
             out, err = process.communicate(timeout=deadline - time.monotonic())
@@ -173,6 +183,7 @@ def test_sampling_draws_the_same_tokens_on_every_backend(tmp_path):
             if process.poll() is None:
                 process.kill()
                 process.communicate()
-    assert results["jax"].shape == (2, LENGTH)
+    assert results["jax"].shape == (2, 2, LENGTH)
+    assert not np.array_equal(*results["jax"])  # the draft's draws count too
     for backend in ("tensorflow", "torch"):
         np.testing.assert_array_equal(results[backend], results["jax"], backend)
