@@ -29,7 +29,7 @@ from keras_attn.ops.masks import (
     window_band,
 )
 from keras_attn.ops.plan import fused_limits, refuse_flash
-from keras_attn.ops.positions import run_positions, segment_runs
+from keras_attn.ops.positions import positions_in_runs, segment_runs
 
 
 @dataclasses.dataclass
@@ -91,7 +91,7 @@ class AttentionCall:
         """Each token's position in its segment `(B, T)`, or `None`; computed
         once a call (for the rotary positions and the sinks)."""
         if self._segment_positions is None and self.segment_ids is not None:
-            self._segment_positions = run_positions(self.segment_ids)
+            self._segment_positions = positions_in_runs(self.segments)
         return self._segment_positions
 
     @property

@@ -124,19 +124,18 @@ def segment_positions(segment_ids):
     array([[0, 1, 2, 0, 1, 0]], dtype=int32)
     """
     check_segment_ids("segment_ids", segment_ids)
-    return run_positions(segment_ids)
+    return positions_in_runs(segment_runs(segment_ids))
 
 
-def run_positions(segment_ids):
-    """`segment_positions` without its checks, for callers that checked."""
-    ids = ops.convert_to_tensor(segment_ids)
-    length = ops.shape(ids)[1]
+def positions_in_runs(runs):
+    """Each token's position in its run `(B, T)`, from the run numbers
+    `segment_runs` gives (for callers that have them already)."""
+    length = ops.shape(runs)[1]
     index = ops.arange(0, length, dtype="int32")  # (T,)
-    is_start = _run_starts(ids)
     # The starts in order, then `length` for every other token: (B, T)
+    is_start = _run_starts(runs)  # runs change where the ids do
     starts = ops.sort(ops.where(is_start, ops.expand_dims(index, 0), length), axis=1)
-    run = segment_runs(ids) - 1  # (B, T), from 0
-    return index - ops.take_along_axis(starts, run, axis=1)
+    return index - ops.take_along_axis(starts, runs - 1, axis=1)
 
 
 def segment_runs(segment_ids):
