@@ -239,6 +239,12 @@ def _sinks(layer):
     return layer.attention_sinks or 0
 
 
+def _sink_positions(pads, sinks):
+    """`(B, s)`: each row's sink positions, `pads, ..., pads + s - 1` (its
+    first `s` tokens)."""
+    return pads[:, None] + ops.arange(sinks, dtype="int32")
+
+
 def _rolling_call(layer, x, state, decoder, index, kwargs):
     """One token at `index` through a sliding-window decoder whose cache holds
     only its sinks and its window, `s + w` positions: `(output, cache)`.
@@ -276,7 +282,7 @@ def _slot_keys(keys, pads, index, window, sinks):
     recent = ops.take(padded, index + 1 + ops.arange(window), axis=1)  # (B, w)
     if not sinks:
         return recent
-    first = pads[:, None] + ops.arange(sinks, dtype="int32")  # (B, s) positions
+    first = _sink_positions(pads, sinks)  # (B, s)
     at = ops.minimum(first, keys.shape[1] - 1)
     written = ops.logical_and(first < index, ops.take_along_axis(keys, at, axis=1))
     positions = index - (window - 1) + ops.arange(window, dtype="int32")  # (w,)
@@ -294,7 +300,7 @@ def _rolled(cache, pads, index, sinks):
     if not sinks:
         return ops.roll(cache, -1, axis=3)
     first, recent = cache[:, :, :, :sinks], cache[:, :, :, sinks:]
-    arrives = pads[:, None] + ops.arange(sinks, dtype="int32") == index  # (B, s)
+    arrives = _sink_positions(pads, sinks) == index  # (B, s)
     first = ops.where(arrives[:, None, None, :, None], recent[:, :, :, -1:], first)
     return ops.concatenate([first, ops.roll(recent, -1, axis=3)], axis=3)
 
@@ -313,7 +319,7 @@ def _first_positions(cache, pads, sinks):
     """The sink slots after the prompt: each row's positions `pads, ...,
     pads + sinks - 1`; those past the prompt are filled as they are
     generated (`_rolled`), and not seen before (`_slot_keys`)."""
-    first = pads[:, None] + ops.arange(sinks, dtype="int32")  # (B, s)
+    first = _sink_positions(pads, sinks)  # (B, s)
     at = ops.minimum(first, cache.shape[3] - 1)[:, None, None, :, None]
     shape = (*ops.shape(cache)[:3], sinks, cache.shape[4])
     return ops.take_along_axis(cache, ops.broadcast_to(at, shape), axis=3)
