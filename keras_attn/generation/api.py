@@ -251,8 +251,8 @@ def generate(
         )
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
     sources = {f"encoder_{i}": x for i, x in enumerate(sources)}
-    if draft:
-        sources.update(_draft_sources(draft, inputs, length, pads))
+    if draft:  # it reads the target's encoder inputs (the same, checked)
+        _check_draft_sources(draft, inputs, length, pads)
     plan.warn_if_probabilities(method)
     outputs = _decode(
         owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token,
@@ -423,19 +423,17 @@ class Draft:
     k: int
 
 
-def _draft_sources(draft, inputs, length, pads):
-    """The draft's encoder inputs, checked, by batch key; raises if the draft
-    would run past its position table (a round's `k - 1` spare positions
-    included)."""
+def _check_draft_sources(draft, inputs, length, pads):
+    """Raise if the draft would run past its position table (a round's
+    `k - 1` spare positions included) or cannot read the encoder inputs (its
+    own vocabularies); it reads the target's, which it takes in the same
+    places and specs (`_check_draft_inputs`)."""
     prompts.check_positions(
         length, pads, draft.plan.max_positions, spare=draft.k - 1, model="draft_model"
     )
     with _naming_draft_model():
         encoder_inputs = draft.plan.split_inputs(inputs)[1]
-        sources = prompts.check_sources(
-            encoder_inputs, draft.plan.source_specs, len(pads)
-        )
-    return {f"draft_encoder_{i}": x for i, x in enumerate(sources)}
+        prompts.check_sources(encoder_inputs, draft.plan.source_specs, len(pads))
 
 
 @contextlib.contextmanager

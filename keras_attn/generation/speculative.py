@@ -87,12 +87,11 @@ class SpeculativeGenerator(Generator):
     def _initial_state(self, inputs):
         prompt, pads = inputs["prompt"], ops.cast(inputs["pads"], "int32")
         size = self.length + self.k + 1
-        models = {}
-        for name, adapter in (("target", self.adapter), ("draft", self.draft)):
-            prefix = "encoder_" if name == "target" else "draft_encoder_"
-            models[name] = adapter.prefill(
-                prompt, pads, numbered(inputs, prefix), size
-            )[1]
+        sources = numbered(inputs, "encoder_")  # both models read them
+        models = {
+            name: adapter.prefill(prompt, pads, sources, size)[1]
+            for name, adapter in (("target", self.adapter), ("draft", self.draft))
+        }
         state = {
             "index": ops.convert_to_tensor(self.width, "int32"),
             "tokens": pad_to(

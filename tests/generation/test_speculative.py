@@ -225,6 +225,20 @@ def test_a_draft_must_take_the_target_inputs(gpt, translator):
         generate(translator, [LEFT_PADDED, LEFT_PADDED], 8, draft_model=swapped)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="suite time: compiles elsewhere")
+def test_an_encoder_decoder_draft_reads_the_encoder_inputs(translator):
+    """The target as its own draft, with a padded source: every draft token
+    is accepted, and the tokens are greedy's (eager rounds: the same ops on
+    every backend)."""
+    inputs = [np.array([[3, 4, 5, 6], [7, 8, 0, 0]]), np.ones((2, 1), "int32")]
+    tokens, acceptance = generate(
+        translator, inputs, 9, draft_model=translator, num_speculative_tokens=3,
+        return_acceptance=True,
+    )  # fmt: skip
+    np.testing.assert_array_equal(tokens, generate(translator, inputs, 9))
+    assert acceptance == 1.0
+
+
 # Compiling the loop costs 7 s on JAX, 3 s on TensorFlow (suite time): the
 # eager rounds are the same ops; PyTorch runs them in 0.1 s.
 @pytest.mark.skipif(BACKEND != "torch", reason="suite time: compiles elsewhere")
