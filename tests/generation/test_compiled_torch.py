@@ -106,3 +106,28 @@ def test_sources_of_another_length_get_a_step_of_their_own(cuda_graphs):
             compiled, generate(model, inputs, 6, jit_compile=False)
         )
     assert len(cuda_graphs) == 2
+
+
+def test_the_step_compiles_once_for_a_generate_shape(monkeypatch):
+    """Dynamo guards a compiled function on its inputs' strides (a "stride
+    mismatch" recompiles it): the first step reads the prefill's last logits,
+    a view of all of them, so its inputs are made contiguous; before, the
+    second step recompiled (14 s on a CPU). Traced by a counting backend
+    (`torch._dynamo.testing.CompileCounter`: dynamo only, no C++)."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    counter, compile_ = CompileCounter(), torch.compile
+
+    def counted(model, dynamic=None, options=None):
+        return compile_(model, backend=counter, dynamic=dynamic)
+
+    monkeypatch.setattr(torch, "compile", counted)
+    torch._dynamo.reset()
+    model = decoder_only_model(VOCAB, WIDTH)
+    try:
+        compiled = generate(model, PROMPTS, 12, jit_compile=True)
+    finally:
+        torch._dynamo.reset()
+    np.testing.assert_array_equal(compiled, generate(model, PROMPTS, 12))
+    assert counter.frame_count == 1
