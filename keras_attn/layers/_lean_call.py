@@ -22,6 +22,13 @@ directly where `__call__` would do nothing else, and `__call__` otherwise:
 
 The arguments go to `call` as passed: the parent passes `training` (and the
 masks) explicitly where the sublayer's `call` uses them.
+
+On PyTorch a lean call of Keras' own `Dense`, `EinsumDense`,
+`LayerNormalization` (over the last axis) or `RMSNormalization` goes one
+step further: the torch calls its `call` makes, without `keras.ops`'
+dispatch around each (`keras_attn.ops.kernels.torch_eager`, which says for
+which dtypes; Keras' `call` elsewhere). The kernel comes from the layer's
+own `kernel` property, LoRA included.
 """
 
 import keras
@@ -31,13 +38,20 @@ try:  # Keras' autocast scope: no public way to ask for it (Keras 3.15).
 except ImportError:  # another Keras: every sublayer through `__call__`
     get_autocast_scope = None
 
+if keras.config.backend() == "torch":
+    from keras_attn.ops.kernels import torch_eager
+else:
+    torch_eager = None
+
 
 def call_sublayer(layer, inputs, *args, **kwargs):
     """`layer(inputs, *args, **kwargs)`, through `layer.call` where that is
     the same (the module docstring says when)."""
-    if lean(layer, inputs, *args, *kwargs.values()):
-        return layer.call(inputs, *args, **kwargs)
-    return layer(inputs, *args, **kwargs)
+    if not lean(layer, inputs, *args, *kwargs.values()):
+        return layer(inputs, *args, **kwargs)
+    direct = _DIRECT.get(type(layer).call) if not (args or kwargs) else None
+    outputs = None if direct is None else direct(layer, inputs)
+    return layer.call(inputs, *args, **kwargs) if outputs is None else outputs
 
 
 def lean(layer, inputs, *arguments):
@@ -92,3 +106,54 @@ def _no_autocast(layer):
     own that a scope would cast."""
     # A variable's own switch has no public name (Keras 3.15: `_autocast`).
     return not any(getattr(weight, "_autocast", True) for weight in layer.weights)
+
+
+# --- Keras' own calls as their torch calls (PyTorch only) --------------------
+
+
+def _value(variable):
+    """A weight as Keras' ops would read it (autocast, stateless scopes)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _dense(layer, x, equation=None):
+    """`Dense.call` (`EinsumDense.call` with `equation`), or `None`."""
+    bias = None if layer.bias is None else _value(layer.bias)
+    y = torch_eager.projection(x, _value(layer.kernel), bias, equation)
+    if y is None or layer.activation is None:
+        return y
+    return layer.activation(y)
+
+
+def _einsum_dense(layer, x):
+    return _dense(layer, x, layer.equation)
+
+
+def _layer_norm(layer, x):
+    """`LayerNormalization.call` over the last axis, or `None`."""
+    if layer.rms_scaling or layer.axis not in ([-1], [len(x.shape) - 1]):
+        return None
+    if keras.backend.standardize_dtype(x.dtype) != layer.compute_dtype:
+        return None  # Keras casts the output to the compute dtype
+    gamma = None if layer.gamma is None else _value(layer.gamma)
+    beta = None if layer.beta is None else _value(layer.beta)
+    return torch_eager.layer_norm(x, gamma, beta, layer.epsilon)
+
+
+def _rms_norm(layer, x):
+    """`RMSNormalization.call` over the last axis, or `None`."""
+    if layer.axis not in (-1, len(x.shape) - 1, [-1], [len(x.shape) - 1]):
+        return None
+    epsilon = keras.config.epsilon() if layer.epsilon is None else layer.epsilon
+    return torch_eager.rms_norm(x, _value(layer.scale), epsilon)
+
+
+# Keras' `call` functions -> their torch calls; none but on PyTorch.
+_DIRECT = {
+    keras.layers.Dense.call: _dense,
+    keras.layers.EinsumDense.call: _einsum_dense,
+    keras.layers.LayerNormalization.call: _layer_norm,
+    keras.layers.RMSNormalization.call: _rms_norm,
+}
+if torch_eager is None:
+    _DIRECT = {}

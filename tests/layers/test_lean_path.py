@@ -161,3 +161,65 @@ def test_training_reaches_the_dropouts_on_the_lean_path(lean_calls):
     kept = to_numpy(attention.call(hidden, hidden, training=False))
     dropped = to_numpy(attention.call(hidden, hidden, training=True))
     assert not np.allclose(kept, dropped)
+
+
+@pytest.fixture
+def torch_calls(monkeypatch):
+    """`{torch_eager function: calls that gave a result}` (PyTorch only)."""
+    from keras_attn.ops.kernels import torch_eager
+
+    calls = {}
+
+    def spied(name, function):
+        def spy(*arguments):
+            result = function(*arguments)
+            calls[name] = calls.get(name, 0) + (result is not None)
+            return result
+
+        return spy
+
+    for name in ("projection", "layer_norm", "rms_norm"):
+        monkeypatch.setattr(torch_eager, name, spied(name, getattr(torch_eager, name)))
+    return calls
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras' own calls as torch calls")
+@pytest.mark.parametrize(
+    "policy, normalization",
+    [
+        ("float32", "layer_norm"),
+        ("mixed_bfloat16", "rms_norm"),
+        ("float64", "rms_norm"),
+        ("mixed_float16", "layer_norm"),
+    ],
+)
+def test_keras_own_sublayers_run_as_their_torch_calls(
+    policy, normalization, lean_calls, torch_calls, monkeypatch
+):
+    """On PyTorch the lean path runs Keras' own projections and norms as the
+    torch calls their `call` makes (ops/kernels/torch_eager.py), with
+    Keras' numbers and gradients bit for bit; Keras computes a float16
+    matmul in float32 on a CPU, so the feed-forward's `Dense` keeps its call
+    there; Keras 3.15 computes float64 in float32, so float64 keeps Keras'
+    calls."""
+    block = TransformerDecoder(
+        **BLOCK, dtype=policy, normalization=normalization, activation="gelu"
+    )
+    assert_same_as_keras_call(block, lean_calls, monkeypatch)
+    if policy == "float64":  # Keras computes it in float32: its calls kept
+        assert not any(torch_calls.values()), torch_calls
+        return
+    assert torch_calls[normalization] > 0
+    projections = 8 if policy == "mixed_float16" else 10  # 8 EinsumDense, 2 Dense
+    assert torch_calls["projection"] == 2 * projections  # two calls: build, lean
+
+
+def test_a_layer_norm_over_other_axes_keeps_keras_call():
+    """Only a norm over the last axis is one torch call; the others keep
+    Keras' `call` (whose numbers the lean path then gives)."""
+    norm = keras.layers.LayerNormalization(axis=(1, 2))
+    x = keras.ops.convert_to_tensor(random_floats(2, 3, 4))
+    norm.build(x.shape)
+    np.testing.assert_array_equal(
+        to_numpy(_lean_call.call_sublayer(norm, x)), to_numpy(norm(x))
+    )

@@ -1,0 +1,72 @@
+"""Keras' projection and normalization ops on PyTorch tensors, each as the
+one torch call Keras' op makes, without Keras' per-op dispatch.
+
+On PyTorch's eager steps Python bounds a small block, and a `keras.ops`
+call costs several times the torch call it makes: `keras.ops.einsum`
+converts each operand (a no-op `aten::to` per tensor, keras#23274), resolves
+dtypes and only then calls `torch.einsum`; `keras.ops.layer_normalization`
+casts its inputs, calls `torch.nn.functional.layer_norm` and casts back.
+These functions make the same torch calls on the same tensors, for the
+dtype cases where Keras' op makes exactly that call (Keras 3.15.1,
+`keras/src/backend/torch/numpy.py`, `keras/src/ops/nn.py`), and return
+`None` elsewhere, for the caller to take Keras' op:
+
+- `projection` (`einsum` or `matmul`, then `add`): tensors of one float
+  dtype (Keras casts nothing then; it computes a float16 matmul on a CPU in
+  float32, so that is left to it);
+- `layer_norm` over the last axis, `rms_norm` over the last axis: the input
+  taken to float32 and the weights to its dtype, then cast back, as Keras
+  does.
+
+Keras 3.15's dtype rules read `torch.float64` as float32 (its matmul, add and
+norms compute float64 tensors in float32), so float64 is left to Keras' ops.
+
+The numbers are Keras' own, bit for bit (`tests/layers/test_lean_path.py`).
+"""
+
+import torch
+from torch.nn import functional
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # not float64 (above)
+_HALF = torch.float16  # Keras' torch matmul computes it in float32 on a CPU
+
+
+def projection(x, kernel, bias=None, equation=None):
+    """`keras.ops.einsum(equation, x, kernel)` (`keras.ops.matmul(x, kernel)`
+    without an equation) plus `bias` with `keras.ops.add`; `None` where
+    Keras would cast: tensors of more than one dtype, or not float, or a
+    float16 matmul."""
+    tensors = (x, kernel) if bias is None else (x, kernel, bias)
+    dtype = x.dtype
+    if dtype not in FLOATS or any(t.dtype != dtype for t in tensors):
+        return None
+    if equation is None:
+        if dtype == _HALF:
+            return None
+        y = torch.matmul(x, kernel)
+    else:
+        y = torch.einsum(equation, x, kernel)
+    return y if bias is None else torch.add(y, bias)
+
+
+def layer_norm(x, gamma, beta, epsilon):
+    """`keras.ops.layer_normalization(x, gamma, beta, -1, epsilon)`, or
+    `None` (float64)."""
+    dtype = x.dtype
+    if dtype not in FLOATS:
+        return None
+    y = x.to(torch.float32)
+    gamma = None if gamma is None else gamma.to(y.dtype)
+    beta = None if beta is None else beta.to(y.dtype)
+    return functional.layer_norm(y, y.shape[-1:], gamma, beta, epsilon).to(dtype)
+
+
+def rms_norm(x, scale, epsilon):
+    """`keras.ops.rms_normalization(x, scale, -1, epsilon)`, or `None`
+    (float64)."""
+    dtype = x.dtype
+    if dtype not in FLOATS:
+        return None
+    y = x.to(torch.float32)
+    scale = None if scale is None else scale.to(y.dtype)
+    return functional.rms_norm(y, y.shape[-1:], scale, epsilon).to(dtype)
