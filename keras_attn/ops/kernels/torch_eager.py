@@ -21,8 +21,19 @@ dtype cases where Keras' op makes exactly that call (Keras 3.15.1,
 Keras 3.15's dtype rules read `torch.float64` as float32 (its matmul, add and
 norms compute float64 tensors in float32), so float64 is left to Keras' ops.
 
-The numbers are Keras' own, bit for bit (`tests/layers/test_lean_path.py`).
+An einsum that is a matmul of flattened axes (every projection of
+`MultiHeadAttention`) runs as that matmul: autograd then records one op, not
+torch einsum's permutes and batched matmul (a projection's forward and
+backward in half the time on a CPU, at a block's small shapes).
+
+The numbers are Keras' own, bit for bit on a CPU (`tests/ops/test_torch_eager.py`,
+`tests/layers/test_lean_path.py`); on a GPU the einsum-as-matmul is the same
+product, though torch may pick another kernel for it than for the einsum's
+batched matmul, with other roundings.
 """
+
+import functools
+import math
 
 import torch
 from torch.nn import functional
@@ -40,13 +51,44 @@ def projection(x, kernel, bias=None, equation=None):
     dtype = x.dtype
     if dtype not in FLOATS or any(t.dtype != dtype for t in tensors):
         return None
-    if equation is None:
-        if dtype == _HALF:
+    contracted = 0 if equation is None else _contracted_axes(equation)
+    if dtype == _HALF and contracted is not None:
+        if equation is None:
             return None
+        contracted = None  # Keras' einsum of float16, not its matmul
+    if contracted is None:
+        y = torch.einsum(equation, x, kernel)
+    elif contracted == 0:
         y = torch.matmul(x, kernel)
     else:
-        y = torch.einsum(equation, x, kernel)
+        y = _einsum_as_matmul(x, kernel, contracted)
     return y if bias is None else torch.add(y, bias)
+
+
+@functools.lru_cache(maxsize=64)
+def _contracted_axes(equation):
+    """For an equation `P C, C K -> P K` (the input's last axes contracted
+    with the kernel's first, the rest kept in order: every projection of
+    `MultiHeadAttention`), the number of contracted axes; else `None`."""
+    inputs, rest = equation.replace(" ", "").split(",")
+    kernel, output = rest.split("->")
+    for n in range(1, min(len(inputs), len(kernel))):
+        kept, contracted, free = inputs[:-n], inputs[-n:], kernel[n:]
+        shared = set(kept) & set(kernel)  # a batch axis of both: not a matmul
+        if kernel[:n] == contracted and output == kept + free and not shared:
+            return n if kept and free else None
+    return None
+
+
+def _einsum_as_matmul(x, kernel, contracted):
+    """`torch.einsum` of `P C, C K -> P K` as one matmul of flattened axes:
+    torch's einsum makes the same product through permutes and a batched
+    matmul, which autograd records op by op (its forward and backward twice
+    a matmul's time on a CPU, at a block's small shapes)."""
+    kept = x.shape[: x.dim() - contracted]
+    free = kernel.shape[contracted:]
+    flat = kernel.reshape(math.prod(kernel.shape[:contracted]), math.prod(free))
+    return torch.matmul(x.reshape(*kept, -1), flat).reshape(*kept, *free)
 
 
 def layer_norm(x, gamma, beta, epsilon):

@@ -1,0 +1,57 @@
+"""Keras' projection and norm ops as the torch calls they make
+(keras_attn/ops/kernels/torch_eager.py), against `keras.ops` itself."""
+
+import keras
+import numpy as np
+import pytest
+
+from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.builders import random_floats
+
+pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's own calls")
+
+EQUATIONS = [  # (equation, input shape, kernel shape, as one matmul)
+    ("abc,cde->abde", (2, 5, 8), (8, 2, 4), True),  # queries, keys, values
+    ("abcd,cde->abe", (2, 5, 2, 4), (2, 4, 8), True),  # the output projection
+    ("...b,bc->...c", (3, 2, 5, 6), (6, 7), True),
+    ("abc,bcd->abd", (2, 5, 8), (5, 8, 3), False),  # b kept and contracted
+    ("abc,dc->abd", (2, 5, 8), (3, 8), False),  # the kernel's last axis
+]
+
+
+@pytest.mark.parametrize("equation, x_shape, kernel_shape, matmul", EQUATIONS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_projection_gives_keras_einsum_bit_for_bit(
+    equation, x_shape, kernel_shape, matmul, dtype
+):
+    from keras_attn.ops.kernels import torch_eager
+
+    assert (torch_eager._contracted_axes(equation) is not None) == matmul
+    x = keras.ops.cast(random_floats(*x_shape, seed=1), dtype)
+    kernel = keras.ops.cast(random_floats(*kernel_shape, seed=2), dtype)
+    product = keras.ops.einsum(equation, x, kernel)
+    bias = keras.ops.cast(random_floats(product.shape[-1], seed=3), dtype)
+    expected = keras.ops.add(product, bias)
+    result = torch_eager.projection(x, kernel, bias, equation)
+    np.testing.assert_array_equal(to_numpy(result), to_numpy(expected))
+
+
+def test_what_keras_would_cast_is_left_to_it():
+    """Mixed dtypes, float64 (Keras 3.15 computes it in float32), integers
+    and a float16 matmul (Keras computes it in float32 on a CPU): `None`."""
+    from keras_attn.ops.kernels import torch_eager
+
+    x, kernel = random_floats(2, 3), random_floats(3, 4)
+
+    def of(dtype, tensor):
+        return keras.ops.cast(tensor, dtype)
+
+    assert torch_eager.projection(of("float32", x), of("bfloat16", kernel)) is None
+    for dtype in ("float64", "int32", "float16"):
+        assert torch_eager.projection(of(dtype, x), of(dtype, kernel)) is None
+    half = torch_eager.projection(
+        of("float16", x), of("float16", kernel), None, "ab,bc->ac"
+    )
+    assert half is not None  # Keras' einsum casts nothing: torch's einsum
+    assert torch_eager.layer_norm(of("float64", x), None, None, 1e-3) is None
+    assert torch_eager.rms_norm(of("float64", x), None, 1e-3) is None
