@@ -22,13 +22,25 @@ from torch.utils import _pytree as pytree
 no_grad = torch.no_grad
 
 
-def write_in_place(cache, update, index):
-    """`update` `(B, 2, K, n, D)` copied into `cache` at positions `index,
-    ..., index + n - 1` of axis 3, in place; returns `cache`. The positions
-    stay a tensor: nothing is read back to the host."""
-    index = torch.as_tensor(index, device=cache.device).to(torch.int64)
-    positions = index + torch.arange(update.shape[3], device=cache.device)
-    return cache.index_copy_(3, positions, update)
+def write_in_place(buffer, update, index, axis=1):
+    """`update` copied into `buffer` at positions `index, ..., index + n - 1`
+    of `axis` (`n`: the update's size there), in place; returns `buffer`.
+    The positions stay a tensor: nothing is read back to the host."""
+    count = update.shape[axis]
+    if count == 1 and isinstance(index, torch.Tensor):  # a step: no `arange`
+        positions = index.reshape(1).long()
+    else:  # an int32 index plus int64 positions: int64
+        positions = index + torch.arange(count, device=buffer.device)
+    return buffer.index_copy_(axis, positions, update)
+
+
+def write_keys_and_values(cache, keys, values, index):
+    """`keys` and `values` `(B, n, K, D)` copied into `cache` `(B, 2, K, L,
+    D)` at positions `index, ..., index + n - 1`, in place, through views of
+    the cache (no stacked, transposed copy of the update); returns `cache`."""
+    for slot, update in enumerate((keys, values)):
+        write_in_place(cache[:, slot].transpose(1, 2), update, index)  # (B, L, K, D)
+    return cache
 
 
 class _FlatStep(torch.nn.Module):

@@ -29,7 +29,7 @@ class ModelAdapter:
     with a padded source, `source_mask`.
 
     On PyTorch a step writes its new keys and values into the caches in
-    place (`_torch.write_in_place`), as gpt-fast does: the caches are the
+    place (`_torch.write_keys_and_values`), as gpt-fast does: the caches are the
     adapter's own, and a copy per step would move the whole cache. Rolling
     caches are rolled into new ones.
     """
@@ -53,7 +53,7 @@ class ModelAdapter:
         if keras.config.backend() == "torch":
             from keras_attn.generation import _torch
 
-            self.write = _torch.write_in_place
+            self.write = _torch.write_keys_and_values
 
     def prefill(self, prompt, pads, sources, size):
         """Run the encoder and the prompt: `(last logits (B, V), state)` with

@@ -38,6 +38,14 @@ class Generator(keras.Model):
         self.traces = 0
         torch = keras.config.backend() == "torch"
         self.compiled_steps = {} if jit_compile and torch else None  # by shape
+        # PyTorch writes each step's tokens (and scores) into the loop's own
+        # buffers in place, as the caches (`_torch.write_in_place`): Keras'
+        # `slice_update` there clones the buffer and builds a meshgrid.
+        self.write_in_place = None
+        if torch:
+            from keras_attn.generation import _torch
+
+            self.write_in_place = _torch.write_in_place
         self._holding = threading.Lock()
         self.compile(jit_compile=jit_compile and not torch)
         self.built = True
@@ -197,21 +205,25 @@ class Generator(keras.Model):
         what the settings keep of it: its log-probability, that it was seen."""
         done, index = state["done"], state["index"]
         token = ops.where(done, self.settings.pad_token_id, ops.cast(token, "int32"))
-        state = {
-            **state,
-            "tokens": ops.slice_update(state["tokens"], [0, index], token[:, None]),
-        }
+        state = {**state, "tokens": self._put(state["tokens"], token, index)}
         if self.settings.end_token_ids:
             ends = ops.convert_to_tensor(self.settings.end_token_ids, "int32")
             ended = ops.any(token[:, None] == ends[None], -1)
             state["done"] = ops.logical_or(done, ended)
         if self.settings.return_scores:
-            log_prob = ops.where(done, 0.0, log_prob)[:, None]
-            state["scores"] = ops.slice_update(state["scores"], [0, index], log_prob)
+            log_prob = ops.where(done, 0.0, log_prob)
+            state["scores"] = self._put(state["scores"], log_prob, index)
         if self.settings.penalized:
             new = ops.one_hot(token, state["seen"].shape[-1]) > 0
             state["seen"] = ops.logical_or(state["seen"], new)
         return token, state
+
+    def _put(self, buffer, column, index):
+        """`column` `(B,)` written into the loop's `buffer` `(B, L)` at
+        `index`: in place on PyTorch, else a new buffer."""
+        if self.write_in_place is not None:
+            return self.write_in_place(buffer, column[:, None], index)
+        return ops.slice_update(buffer, [0, index], column[:, None])
 
 
 def _seen(prompt, pads, vocabulary):
