@@ -127,7 +127,9 @@ class ModelAdapter:
     def _run(self, token_ids, index, state, prefill=False):
         """Embedding, decoders and head on new tokens at `index`."""
         start = index - state["pads"]  # (B,): each row's first new position
-        positions = start[:, None] + ops.arange(token_ids.shape[1], dtype="int32")
+        positions = None  # the rotary positions, for decoders that rotate
+        if any(layer.rope_max_wavelength for layer in self.plan.decoders):
+            positions = start[:, None] + ops.arange(token_ids.shape[1], dtype="int32")
         x = self._embed(token_ids, start)
         caches, decoder = [], 0
         for layer, _ in self.plan.body:

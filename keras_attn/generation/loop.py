@@ -204,14 +204,17 @@ class Generator(keras.Model):
         """Each row's token (padding once the row is done) at `index`, and
         what the settings keep of it: its log-probability, that it was seen."""
         done, index = state["done"], state["index"]
-        token = ops.where(done, self.settings.pad_token_id, ops.cast(token, "int32"))
+        token = ops.cast(token, "int32")
+        ends = self.settings.end_token_ids  # without them, no row is ever done
+        if ends:
+            token = ops.where(done, self.settings.pad_token_id, token)
         state = {**state, "tokens": self._put(state["tokens"], token, index)}
-        if self.settings.end_token_ids:
-            ends = ops.convert_to_tensor(self.settings.end_token_ids, "int32")
-            ended = ops.any(token[:, None] == ends[None], -1)
+        if ends:
+            end_ids = ops.convert_to_tensor(ends, "int32")
+            ended = ops.any(token[:, None] == end_ids[None], -1)
             state["done"] = ops.logical_or(done, ended)
         if self.settings.return_scores:
-            log_prob = ops.where(done, 0.0, log_prob)
+            log_prob = ops.where(done, 0.0, log_prob) if ends else log_prob
             state["scores"] = self._put(state["scores"], log_prob, index)
         if self.settings.penalized:
             new = ops.one_hot(token, state["seen"].shape[-1]) > 0
