@@ -294,7 +294,7 @@ def _and(masks):
     merged = None
     for mask in masks:
         if mask is not None:
-            merged = mask if merged is None else ops.logical_and(merged, mask)
+            merged = mask if merged is None else merged & mask  # as `|` below
     return merged
 
 
@@ -315,7 +315,7 @@ def zero_empty_rows(output, probs, has_key):
     if has_key is None:
         return output, probs
     keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B, T, 1|H, 1)
-    output = ops.where(keep, output, ops.zeros_like(output))
+    output = ops.where(keep, output, 0.0)  # a weak scalar: the output's dtype
     if probs is not None:
-        probs = ops.where(has_key, probs, ops.zeros_like(probs))
+        probs = ops.where(has_key, probs, 0.0)
     return output, probs
