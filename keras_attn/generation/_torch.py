@@ -22,13 +22,29 @@ from torch.utils import _pytree as pytree
 no_grad = torch.no_grad
 
 
-def write_in_place(cache, update, index):
-    """`update` `(B, 2, K, n, D)` copied into `cache` at positions `index,
-    ..., index + n - 1` of axis 3, in place; returns `cache`. The positions
-    stay a tensor: nothing is read back to the host."""
-    index = torch.as_tensor(index, device=cache.device).to(torch.int64)
-    positions = index + torch.arange(update.shape[3], device=cache.device)
-    return cache.index_copy_(3, positions, update)
+def write_in_place(buffer, update, index, axis=1):
+    """`update` copied into `buffer` at positions `index, ..., index + n - 1`
+    of `axis` (`n`: the update's size there), in place; returns `buffer`."""
+    positions = _positions(index, update.shape[axis], buffer.device)
+    return buffer.index_copy_(axis, positions, update)
+
+
+def write_keys_and_values(cache, keys, values, index):
+    """`keys` and `values` `(B, n, K, D)` copied into `cache` `(B, 2, K, L,
+    D)` at positions `index, ..., index + n - 1`, in place, through views of
+    the cache (no stacked, transposed copy of the update); returns `cache`."""
+    positions = _positions(index, keys.shape[1], cache.device)
+    for slot, update in enumerate((keys, values)):
+        cache[:, slot].transpose(1, 2).index_copy_(1, positions, update)  # (B, L, K, D)
+    return cache
+
+
+def _positions(index, count, device):
+    """int64 `(count,)`: `index, ..., index + count - 1`. They stay a tensor:
+    nothing is read back to the host."""
+    if count == 1 and isinstance(index, torch.Tensor):  # a step: no `arange`
+        return index.reshape(1).long()
+    return index + torch.arange(count, device=device)  # int32 + int64: int64
 
 
 class _FlatStep(torch.nn.Module):

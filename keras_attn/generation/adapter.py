@@ -29,7 +29,7 @@ class ModelAdapter:
     with a padded source, `source_mask`.
 
     On PyTorch a step writes its new keys and values into the caches in
-    place (`_torch.write_in_place`), as gpt-fast does: the caches are the
+    place (`_torch.write_keys_and_values`), as gpt-fast does: the caches are the
     adapter's own, and a copy per step would move the whole cache. Rolling
     caches are rolled into new ones.
     """
@@ -53,7 +53,7 @@ class ModelAdapter:
         if keras.config.backend() == "torch":
             from keras_attn.generation import _torch
 
-            self.write = _torch.write_in_place
+            self.write = _torch.write_keys_and_values
 
     def prefill(self, prompt, pads, sources, size):
         """Run the encoder and the prompt: `(last logits (B, V), state)` with
@@ -127,7 +127,9 @@ class ModelAdapter:
     def _run(self, token_ids, index, state, prefill=False):
         """Embedding, decoders and head on new tokens at `index`."""
         start = index - state["pads"]  # (B,): each row's first new position
-        positions = start[:, None] + ops.arange(token_ids.shape[1], dtype="int32")
+        positions = None  # the rotary positions, for decoders that rotate
+        if any(layer.rope_max_wavelength for layer in self.plan.decoders):
+            positions = start[:, None] + ops.arange(token_ids.shape[1], dtype="int32")
         x = self._embed(token_ids, start)
         caches, decoder = [], 0
         for layer, _ in self.plan.body:

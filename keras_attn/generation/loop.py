@@ -38,6 +38,14 @@ class Generator(keras.Model):
         self.traces = 0
         torch = keras.config.backend() == "torch"
         self.compiled_steps = {} if jit_compile and torch else None  # by shape
+        # PyTorch writes each step's tokens (and scores) into the loop's own
+        # buffers in place, as the caches (`_torch.write_in_place`): Keras'
+        # `slice_update` there clones the buffer and builds a meshgrid.
+        self.write_in_place = None
+        if torch:
+            from keras_attn.generation import _torch
+
+            self.write_in_place = _torch.write_in_place
         self._holding = threading.Lock()
         self.compile(jit_compile=jit_compile and not torch)
         self.built = True
@@ -196,22 +204,29 @@ class Generator(keras.Model):
         """Each row's token (padding once the row is done) at `index`, and
         what the settings keep of it: its log-probability, that it was seen."""
         done, index = state["done"], state["index"]
-        token = ops.where(done, self.settings.pad_token_id, ops.cast(token, "int32"))
-        state = {
-            **state,
-            "tokens": ops.slice_update(state["tokens"], [0, index], token[:, None]),
-        }
-        if self.settings.end_token_ids:
-            ends = ops.convert_to_tensor(self.settings.end_token_ids, "int32")
-            ended = ops.any(token[:, None] == ends[None], -1)
+        token = ops.cast(token, "int32")
+        ends = self.settings.end_token_ids  # without them, no row is ever done
+        if ends:
+            token = ops.where(done, self.settings.pad_token_id, token)
+        state = {**state, "tokens": self._put(state["tokens"], token, index)}
+        if ends:
+            end_ids = ops.convert_to_tensor(ends, "int32")
+            ended = ops.any(token[:, None] == end_ids[None], -1)
             state["done"] = ops.logical_or(done, ended)
         if self.settings.return_scores:
-            log_prob = ops.where(done, 0.0, log_prob)[:, None]
-            state["scores"] = ops.slice_update(state["scores"], [0, index], log_prob)
+            log_prob = ops.where(done, 0.0, log_prob) if ends else log_prob
+            state["scores"] = self._put(state["scores"], log_prob, index)
         if self.settings.penalized:
             new = ops.one_hot(token, state["seen"].shape[-1]) > 0
             state["seen"] = ops.logical_or(state["seen"], new)
         return token, state
+
+    def _put(self, buffer, column, index):
+        """`column` `(B,)` written into the loop's `buffer` `(B, L)` at
+        `index`: in place on PyTorch, else a new buffer."""
+        if self.write_in_place is not None:
+            return self.write_in_place(buffer, column[:, None], index)
+        return ops.slice_update(buffer, [0, index], column[:, None])
 
 
 def _seen(prompt, pads, vocabulary):

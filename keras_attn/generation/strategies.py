@@ -5,7 +5,8 @@ A strategy has `start(state)`, `choose(logits, state, numbers) -> (token,
 log-probability of the token, state)` and `finish(state, numbers) -> (tokens,
 scores)`. The state is a dict
 of row-major tensors (`index`, a scalar, aside); `scores` are the
-log-probabilities of the chosen tokens.
+log-probabilities of the chosen tokens (greedy and sampling compute them only
+where `scores=True`; their log-probability is `None` otherwise).
 """
 
 import keras
@@ -59,13 +60,25 @@ def draw(weights, uniform):
 
 
 class Greedy:
-    """The most likely token."""
+    """The most likely token; its log-probability where `scores` are kept
+    (a `log_softmax` over the vocabulary per step otherwise spent)."""
+
+    def __init__(self, scores=True):
+        self.scores = scores
 
     def start(self, state):
         return state
 
     def choose(self, logits, state, numbers):
-        return _with_log_prob(ops.argmax(logits, axis=-1), logits, state)
+        return self._with_log_prob(ops.argmax(logits, axis=-1), logits, state)
+
+    def _with_log_prob(self, token, logits, state):
+        """`(token, its log-probability or None, state)`."""
+        if not self.scores:
+            return token, None, state
+        log_probs = ops.log_softmax(logits, axis=-1)
+        log_prob = ops.take_along_axis(log_probs, ops.cast(token, "int32")[:, None], -1)
+        return token, log_prob[:, 0], state
 
     def finish(self, state, numbers):
         return state["tokens"], state.get("scores")
@@ -79,7 +92,7 @@ class Sample(Greedy):
         rows = ops.arange(ops.shape(logits)[0], dtype="int32")
         uniform = counter_uniform(numbers["seed"], rows, state["index"])
         token = draw(ops.softmax(logits, axis=-1), uniform)
-        return _with_log_prob(token, logits, state)
+        return self._with_log_prob(token, logits, state)
 
 
 class BeamSearch:
@@ -145,13 +158,8 @@ class BeamSearch:
 def strategy(settings):
     if settings.method == "beam":
         return BeamSearch(settings.num_beams, settings.pad_token_id)
-    return Sample() if settings.method == "sample" else Greedy()
-
-
-def _with_log_prob(token, logits, state):
-    log_probs = ops.log_softmax(logits, axis=-1)
-    log_prob = ops.take_along_axis(log_probs, ops.cast(token, "int32")[:, None], -1)
-    return token, log_prob[:, 0], state
+    kind = Sample if settings.method == "sample" else Greedy
+    return kind(scores=settings.return_scores)
 
 
 def _repeat(times):

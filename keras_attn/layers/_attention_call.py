@@ -153,7 +153,10 @@ class AttentionCall:
         offset, written, band = 0, None, None
         if self.cache_update_index is not None:  # queries at index, index + 1, ...
             offset = self.cache_update_index
-            if self.use_causal_mask:
+            # One new token of self-attention (a decoding step) sees every
+            # key written so far: that is its causal mask, built for less.
+            one_token = self.self_attention and query_length == 1
+            if self.use_causal_mask and not one_token:
                 written = causal(query_length, key_length, offset)
             else:  # every key written so far
                 keys = ops.arange(0, key_length, dtype="int32")

@@ -30,8 +30,7 @@ class KeyValueCache:
             v = project(self.value_dense, value)
             if cache is None:
                 return k, v, None
-            update = ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
-            cache = _write(cache, ops.cast(update, cache.dtype), cache_update_index)
+            cache = _write(cache, k, v, cache_update_index)
         dtype = self.compute_dtype
         return ops.cast(cache[:, 0], dtype), ops.cast(cache[:, 1], dtype), cache
 
@@ -114,7 +113,7 @@ class KeyValueCache:
 
 
 class _Writer(threading.local):
-    function = None  # `(cache, update, index) -> cache`, in this thread
+    function = None  # `(cache, keys, values, index) -> cache`, in this thread
 
 
 _WRITER = _Writer()
@@ -122,9 +121,10 @@ _WRITER = _Writer()
 
 @contextlib.contextmanager
 def caches_written_by(write):
-    """Caches written inside, in this thread, by `write(cache, update,
-    index)`, which returns the written cache (`None`: `ops.slice_update`,
-    which returns a new cache and leaves the given one as it was).
+    """Caches written inside, in this thread, by `write(cache, keys, values,
+    index)` (keys and values `(B, n, K, D)`, of the cache's dtype), which
+    returns the written cache (`None`: `ops.slice_update`, which returns a
+    new cache and leaves the given one as it was).
 
     For `generate` on PyTorch, which owns its caches and writes them in
     place (`keras_attn/generation/_torch.py`): a step then copies one
@@ -137,11 +137,13 @@ def caches_written_by(write):
         _WRITER.function = previous
 
 
-def _write(cache, update, index):
-    """`update` `(B, 2, K, n, D)` written into `cache` at positions `index,
-    ..., index + n - 1`."""
+def _write(cache, keys, values, index):
+    """`keys` and `values` `(B, n, K, D)` written into `cache` at positions
+    `index, ..., index + n - 1`."""
+    keys, values = ops.cast(keys, cache.dtype), ops.cast(values, cache.dtype)
     if _WRITER.function is not None:
-        return _WRITER.function(cache, update, index)
+        return _WRITER.function(cache, keys, values, index)
+    update = ops.transpose(ops.stack([keys, values], axis=1), (0, 1, 3, 2, 4))
     return ops.slice_update(cache, [0, 0, 0, ops.cast(index, "int32"), 0], update)
 
 

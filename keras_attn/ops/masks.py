@@ -274,19 +274,27 @@ def merge_attention_masks(*masks):
            [1, 1, 0],
            [1, 1, 0]])
     """
-    merged = None
+    masks = [ops.cast(mask, "bool") for mask in masks if mask is not None]
     for mask in masks:
-        if mask is None:
-            continue
-        mask = ops.cast(mask, "bool")
-        rank = len(mask.shape)
-        if rank not in (2, 3, 4):
+        if len(mask.shape) not in (2, 3, 4):
             raise ValueError(
                 "Attention masks must have rank 2 `(T, S)`, 3 `(B, T, S)` or 4 "
                 f"`(B, H, T, S)`. Received: mask.shape={tuple(mask.shape)}."
             )
-        mask = ops.expand_dims(mask, (0, 1) if rank == 2 else 1) if rank < 4 else mask
-        merged = mask if merged is None else ops.logical_and(merged, mask)
+    # Those of rank 2 and 3 broadcast together as they are (`(T, S)` as
+    # `(1, T, S)`); their AND gets its head axis once, not each of them.
+    low = _and([mask for mask in masks if len(mask.shape) < 4])
+    if low is not None:
+        low = ops.expand_dims(low, (0, 1) if len(low.shape) == 2 else 1)
+    return _and([low, *(mask for mask in masks if len(mask.shape) == 4)])
+
+
+def _and(masks):
+    """The AND of the masks that are not `None` (broadcast), or `None`."""
+    merged = None
+    for mask in masks:
+        if mask is not None:
+            merged = mask if merged is None else merged & mask  # as `|` below
     return merged
 
 
@@ -297,7 +305,9 @@ def open_empty_rows(mask):
     opened, it computes something finite, which `zero_empty_rows` then zeros.
     """
     has_key = ops.any(mask, axis=-1, keepdims=True)  # (B, 1|H, T, 1)
-    return ops.logical_or(mask, ops.logical_not(has_key)), has_key
+    # Operators, not `ops.logical_or`: the same op on every backend, without
+    # the no-op conversions of each argument that Keras' op costs on PyTorch.
+    return mask | ~has_key, has_key
 
 
 def zero_empty_rows(output, probs, has_key):
@@ -305,7 +315,7 @@ def zero_empty_rows(output, probs, has_key):
     if has_key is None:
         return output, probs
     keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B, T, 1|H, 1)
-    output = ops.where(keep, output, ops.zeros_like(output))
+    output = ops.where(keep, output, 0.0)  # a weak scalar: the output's dtype
     if probs is not None:
-        probs = ops.where(has_key, probs, ops.zeros_like(probs))
+        probs = ops.where(has_key, probs, 0.0)
     return output, probs

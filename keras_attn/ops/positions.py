@@ -98,8 +98,8 @@ def position_ids(length, start_index=0, dtype="int32"):
     checked `start_index` (`check_size`)."""
     start = ops.cast(start_index, dtype)
     positions = ops.arange(0, length, dtype=dtype)  # (T,)
-    if len(start.shape) == 1:
-        return ops.expand_dims(start, 1) + ops.expand_dims(positions, 0)  # (B, T)
+    if len(start.shape) == 1:  # (B, 1) + (T,): they broadcast
+        return ops.expand_dims(start, 1) + positions  # (B, T)
     return positions + start
 
 

@@ -56,7 +56,10 @@ def _kernel(query, key, value, mask, bias, plan, options):
     if keras.config.backend() == "torch":
         from keras_attn.ops.kernels import torch_sdpa
 
-        query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
+        query, key, value = (  # each conversion costs an op, even of a tensor
+            x if ops.is_tensor(x) else ops.convert_to_tensor(x)
+            for x in (query, key, value)
+        )
         return torch_sdpa.attention(
             query,
             key,
