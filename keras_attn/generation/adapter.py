@@ -12,7 +12,7 @@ from keras_attn._checks import checked_upstream
 from keras_attn.generation.graph import is_decoder
 from keras_attn.layers import PositionEmbedding, SinusoidalEmbedding
 from keras_attn.layers._kv_cache import caches_written_by
-from keras_attn.layers._lean_call import call_sublayer
+from keras_attn.layers._lean_call import call_sublayer, direct_call
 
 
 class ModelAdapter:
@@ -148,13 +148,22 @@ class ModelAdapter:
                 )
             caches.append(cache)
             decoder += 1
-        # A new tensor, without the padding mask that rides on `x` (TensorFlow,
-        # PyTorch): the head acts on each position alone, and a Softmax would
-        # apply the `(B, T)` mask across the vocabulary.
-        x = ops.copy(x)
+        return ops.cast(self._head(x), "float32"), {**state, "caches": caches}
+
+    def _head(self, x):
+        """The head's layers on the decoders' output. Keras' own projections
+        and norms run as their torch calls on PyTorch (`direct_call`); a
+        layer called through `__call__` gets a new tensor, without the
+        padding mask that rides on `x` (TensorFlow, PyTorch): the head acts on
+        each position alone, and a Softmax would apply the `(B, T)` mask
+        across the vocabulary."""
+        fresh = False
         for layer, kwargs in self.plan.head:
-            x = layer(x, **kwargs)
-        return ops.cast(x, "float32"), {**state, "caches": caches}
+            y = None if kwargs else direct_call(layer, x)
+            if y is None:
+                y = layer(x if fresh else ops.copy(x), **kwargs)
+            x, fresh = y, True
+        return x
 
     def _decoder_call(self, layer, x, state, decoder, index, kwargs, prefill):
         """A decoder on the new tokens, its cache written at `index` (in

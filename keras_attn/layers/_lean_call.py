@@ -54,6 +54,17 @@ def call_sublayer(layer, inputs, *args, **kwargs):
     return layer.call(inputs, *args, **kwargs) if outputs is None else outputs
 
 
+def direct_call(layer, inputs):
+    """`layer(inputs)` as the torch calls of Keras' own `call` (PyTorch: a
+    `Dense`, `EinsumDense`, `LayerNormalization` or `RMSNormalization` on a
+    lean call, from inside a parent's `call` or from no layer's), or `None`
+    for the caller to call the layer."""
+    direct = _DIRECT.get(type(layer).call)
+    if direct is None or not lean(layer, inputs):
+        return None
+    return direct(layer, inputs)
+
+
 def lean(layer, inputs, *arguments):
     """Whether `layer.call(inputs, *arguments)` computes what
     `layer(inputs, *arguments)` computes, from inside a parent's `call`

@@ -345,3 +345,28 @@ def test_decoding_steps_read_nothing_back_to_the_host(monkeypatch, embedding):
             generate(model, prompt, max_new_tokens=new_tokens)
         reads[new_tokens] = len(counted)
     assert reads[10] == reads[2], reads
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras' own calls as torch calls")
+def test_the_head_runs_as_torch_calls_with_keras_numbers(gpt, monkeypatch):
+    """On PyTorch the head's `LayerNormalization` and `Dense` run as the
+    torch calls of their `call` (`direct_call`), not through `__call__`:
+    the same tokens and scores as with every head layer called."""
+    head = gpt.layers[-2:]  # LayerNormalization, Dense
+    prompts = np.array([[0, 3, 4, 5], [6, 7, 8, 9]])
+    called, layer_call = [], keras.layers.Layer.__call__
+
+    def spy(self, *args, **kwargs):
+        called.append(self)
+        return layer_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.layers.Layer, "__call__", spy)
+    tokens, scores = generate(gpt, prompts, 6, return_scores=True)
+    assert not any(layer in called for layer in head)
+    monkeypatch.setattr(
+        "keras_attn.generation.adapter.direct_call", lambda layer, x: None
+    )
+    expected = generate(gpt, prompts, 6, return_scores=True)
+    np.testing.assert_array_equal(to_numpy(tokens), to_numpy(expected[0]))
+    np.testing.assert_array_equal(to_numpy(scores), to_numpy(expected[1]))
+    assert all(layer in called for layer in head)

@@ -94,21 +94,24 @@ def _einsum_as_matmul(x, kernel, contracted):
 def layer_norm(x, gamma, beta, epsilon):
     """`keras.ops.layer_normalization(x, gamma, beta, -1, epsilon)`, or
     `None` (float64)."""
-    dtype = x.dtype
-    if dtype not in FLOATS:
+    if x.dtype not in FLOATS:
         return None
-    y = x.to(torch.float32)
-    gamma = None if gamma is None else gamma.to(y.dtype)
-    beta = None if beta is None else beta.to(y.dtype)
-    return functional.layer_norm(y, y.shape[-1:], gamma, beta, epsilon).to(dtype)
+    y = _as(x, torch.float32)
+    gamma, beta = _as(gamma, torch.float32), _as(beta, torch.float32)
+    return _as(functional.layer_norm(y, y.shape[-1:], gamma, beta, epsilon), x.dtype)
 
 
 def rms_norm(x, scale, epsilon):
     """`keras.ops.rms_normalization(x, scale, -1, epsilon)`, or `None`
     (float64)."""
-    dtype = x.dtype
-    if dtype not in FLOATS:
+    if x.dtype not in FLOATS:
         return None
-    y = x.to(torch.float32)
-    scale = None if scale is None else scale.to(y.dtype)
-    return functional.rms_norm(y, y.shape[-1:], scale, epsilon).to(dtype)
+    y = _as(x, torch.float32)
+    scale = _as(scale, torch.float32)
+    return _as(functional.rms_norm(y, y.shape[-1:], scale, epsilon), x.dtype)
+
+
+def _as(x, dtype):
+    """`x` in `dtype` (`None` stays): Keras' casts, without the no-op ones
+    (an `aten::to` each on eager PyTorch)."""
+    return x if x is None or x.dtype == dtype else x.to(dtype)
