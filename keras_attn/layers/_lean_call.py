@@ -130,10 +130,17 @@ def _value(variable):
 def _dense(layer, x, equation=None):
     """`Dense.call` (`EinsumDense.call` with `equation`), or `None`."""
     bias = None if layer.bias is None else _value(layer.bias)
-    y = torch_eager.projection(x, _value(layer.kernel), bias, equation)
+    y = torch_eager.projection(x, _value(_kernel(layer)), bias, equation)
     if y is None or layer.activation is None:
         return y
     return layer.activation(y)
+
+
+def _kernel(layer):
+    """`layer.kernel`: Keras' property returns its variable as it is where
+    no LoRA adapter adds to it (a lean call has no quantized kernel), after
+    about 3 us of checks on PyTorch (`_kernel`: Keras 3.15's name)."""
+    return layer.kernel if layer.lora_enabled else layer._kernel
 
 
 def _einsum_dense(layer, x):
