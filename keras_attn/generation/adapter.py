@@ -192,8 +192,8 @@ class ModelAdapter:
 
     def _embed(self, token_ids, start):
         embedding = self.plan.embedding
-        if isinstance(embedding, SinusoidalEmbedding):
-            return embedding(token_ids, start_index=start)
+        if isinstance(embedding, SinusoidalEmbedding):  # through the lean path:
+            return call_sublayer(embedding, token_ids, start_index=start)
         return embedding(token_ids)
 
 

@@ -18,6 +18,7 @@ from keras_attn._checks import (
     get_keras_object,
 )
 from keras_attn.layers._docs import shared_docs
+from keras_attn.layers._lean_call import call_sublayer
 from keras_attn.layers._machinery import (
     ConfigCheck,
     clone_initializer,
@@ -197,7 +198,7 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         if self.vocabulary_size is None:
             x = inputs
         else:
-            x = self.token_embedding(inputs)  # (B, ..., T, D)
+            x = call_sublayer(self.token_embedding, inputs)  # (B, ..., T, D)
             if self.scale_embeddings:
                 x = x * ops.convert_to_tensor(self.embedding_dim**0.5, x.dtype)
         length = ops.shape(x)[-2]
