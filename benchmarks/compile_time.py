@@ -15,12 +15,16 @@ Inductor cache directory (`TORCHINDUCTOR_CACHE_DIR`):
   graph is not;
 - `graph cached`: this model compiled before (a second process).
 
-Each row: the first compiled call in seconds, an eager call's, and whether
-their tokens are equal. Results go to `benchmarks/results/compile_time.md`.
+Each row: the first compiled call in seconds (after an eager call of the
+same process, which has paid Keras' and torch's own first-call costs, so
+the row is the compiling), an eager call's, and whether their tokens are
+equal. Results go to `benchmarks/results/compile_time.md`.
 """
 
 import argparse
+import ast
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -63,7 +67,22 @@ def in_process(cache, other=False):
         [sys.executable, "-c", code],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
-    return eval(done.stdout.strip().splitlines()[-1])  # a tuple we printed
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+def _machine():
+    """The machine and versions, and the load, in words."""
+    import torch
+
+    load = os.getloadavg()[0]
+    return (
+        f"Machine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load average {load:.1f}; torch "
+        f"{torch.__version__}, Python {platform.python_version()}. Inductor's "
+        "one-time probes of the CPU (g++ builds of a test program per vector "
+        "instruction set, `torch/_inductor/cpu_vec_isa.py`) are in the cold "
+        "row only."
+    )
 
 
 def main(argv=None):
@@ -89,6 +108,7 @@ def main(argv=None):
     ]
     for name, (seconds, eager, same) in rows:
         lines.append(f"| {name} | {seconds:.1f} | {eager:.1f} | {same} |")
+    lines += ["", _machine()]
     return write_report(args.results, "compile_time.md", "\n".join(lines) + "\n")
 
 

@@ -77,7 +77,10 @@ class Generator(keras.Model):
                 if i > 0:
                     state["model"] = self.adapter.grow(state["model"], size)
                 state = self._segment(state, size, numbers, on_token)
-        tokens, scores = self.strategy.finish(state, numbers)
+            results = self.strategy.finish(state, numbers)
+            if self.compiled_steps is not None:  # off the compiled step's buffers,
+                results = [None if r is None else ops.copy(r) for r in results]
+        tokens, scores = results  # which the next call of this shape writes into
         return {"tokens": tokens, **({"scores": scores} if scores is not None else {})}
 
     def _initial_state(self, prompt, pads, logits, model):

@@ -155,7 +155,11 @@ class AttentionCall:
             offset = self.cache_update_index
             # One new token of self-attention (a decoding step) sees every
             # key written so far: that is its causal mask, built for less.
-            one_token = self.self_attention and query_length == 1
+            one_token = (  # a length known when traced (not a TF tensor)
+                self.self_attention
+                and isinstance(query_length, int)
+                and query_length == 1
+            )
             if self.use_causal_mask and not one_token:
                 written = causal(query_length, key_length, offset)
             else:  # every key written so far

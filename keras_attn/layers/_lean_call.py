@@ -137,10 +137,13 @@ def _dense(layer, x, equation=None):
 
 
 def _kernel(layer):
-    """`layer.kernel`: Keras' property returns its variable as it is where
-    no LoRA adapter adds to it (a lean call has no quantized kernel), after
-    about 3 us of checks on PyTorch (`_kernel`: Keras 3.15's name)."""
-    return layer.kernel if layer.lora_enabled else layer._kernel
+    """`layer.kernel`: Keras' own property returns its variable as it is
+    where no LoRA adapter adds to it (a lean call has no quantized kernel),
+    after about 3 us of checks on PyTorch (`_kernel`: Keras 3.15's name); a
+    subclass's own property is asked."""
+    if layer.lora_enabled or type(layer).kernel not in _KERAS_KERNELS:
+        return layer.kernel
+    return layer._kernel
 
 
 def _einsum_dense(layer, x):
@@ -166,6 +169,7 @@ def _rms_norm(layer, x):
     return torch_eager.rms_norm(x, _value(layer.scale), epsilon)
 
 
+_KERAS_KERNELS = (keras.layers.Dense.kernel, keras.layers.EinsumDense.kernel)
 # Keras' `call` functions -> their torch calls; none but on PyTorch.
 _DIRECT = {
     keras.layers.Dense.call: _dense,

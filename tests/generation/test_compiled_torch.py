@@ -131,3 +131,25 @@ def test_the_step_compiles_once_for_a_generate_shape(monkeypatch):
         torch._dynamo.reset()
     np.testing.assert_array_equal(compiled, generate(model, PROMPTS, 12))
     assert counter.frame_count == 1
+
+
+def test_returned_tokens_are_not_the_compiled_steps_buffers(cuda_graphs, monkeypatch):
+    """The compiled step writes tokens and scores in place into buffers it
+    keeps for every call of its shape (CUDA graphs' static inputs): what a
+    call returns is copied off them before the next call may decode, so a
+    second call does not overwrite the first one's results."""
+    from keras_attn.generation import loop
+
+    returned, decode = [], loop.Generator.decode
+
+    def kept(self, inputs, on_token=None):
+        outputs = decode(self, inputs, on_token)
+        returned.append(outputs)
+        return outputs
+
+    monkeypatch.setattr(loop.Generator, "decode", kept)
+    model = decoder_only_model(VOCAB, WIDTH)
+    first = generate(model, PROMPTS, 12, jit_compile=True, return_scores=True)
+    generate(model, PROMPTS[::-1], 12, jit_compile=True, return_scores=True)
+    np.testing.assert_array_equal(returned[0]["tokens"].numpy(), first[0])
+    np.testing.assert_array_equal(returned[0]["scores"].numpy(), first[1])

@@ -223,3 +223,21 @@ def test_a_layer_norm_over_other_axes_keeps_keras_call():
     np.testing.assert_array_equal(
         to_numpy(_lean_call.call_sublayer(norm, x)), to_numpy(norm(x))
     )
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras' own calls as torch calls")
+def test_a_subclass_kernel_property_is_asked():
+    """A `Dense` subclass that keeps Keras' `call` but derives its kernel
+    (weight normalization, a scale): the torch call reads its `kernel`."""
+
+    class Doubled(keras.layers.Dense):
+        @property
+        def kernel(self):
+            return self._kernel * 2.0
+
+    dense = Doubled(3)
+    x = keras.ops.convert_to_tensor(random_floats(2, 4))
+    dense.build(x.shape)
+    np.testing.assert_array_equal(
+        to_numpy(_lean_call.direct_call(dense, x)), to_numpy(dense(x))
+    )

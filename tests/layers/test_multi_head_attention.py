@@ -636,3 +636,25 @@ def test_the_call_record_lists_the_arguments_of_call_in_order():
     parameters = list(inspect.signature(MultiHeadAttention.call).parameters)[1:]
     fields = [f.name for f in dataclasses.fields(AttentionCall) if f.init]
     assert fields == parameters
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a TF graph of unknown length")
+def test_a_cached_call_traced_with_an_unknown_length():
+    """In a `tf.function` of unknown query length the length is a tensor:
+    whether the queries are one new token is not known when traced, so the
+    causal mask over the cache is built (no Python `bool` of a tensor)."""
+    import tensorflow as tf
+
+    attention = MultiHeadAttention(num_heads=2, key_dim=4)
+    cache = np.zeros((2, 2, 2, 3, 4), "float32")
+    attention(random_floats(2, 3, 8), random_floats(2, 3, 8), cache=cache)
+
+    signature = [tf.TensorSpec([2, None, 8]), tf.TensorSpec(cache.shape)]
+
+    @tf.function(input_signature=signature)
+    def step(x, cache):
+        return attention(x, x, cache=cache, cache_update_index=0, use_causal_mask=True)
+
+    full, _ = step(random_floats(2, 3, 8), cache)
+    first, _ = step(random_floats(2, 3, 8)[:, :1], cache)
+    np.testing.assert_allclose(to_numpy(first), to_numpy(full)[:, :1], atol=1e-6)

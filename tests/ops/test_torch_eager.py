@@ -16,6 +16,9 @@ EQUATIONS = [  # (equation, input shape, kernel shape, as one matmul)
     ("...b,bc->...c", (3, 2, 5, 6), (6, 7), True),
     ("abc,bcd->abd", (2, 5, 8), (5, 8, 3), False),  # b kept and contracted
     ("abc,dc->abd", (2, 5, 8), (3, 8), False),  # the kernel's last axis
+    ("ab,bb->ab", (2, 3), (3, 3), False),  # a diagonal (EinsumDense builds it)
+    ("abb,bbc->ac", (2, 3, 3), (3, 3, 4), False),  # a repeated contracted letter
+    ("abc,cde->abde", (0, 5, 8), (8, 2, 4), True),  # an empty batch
 ]
 
 
@@ -26,7 +29,7 @@ def test_projection_gives_keras_einsum_bit_for_bit(
 ):
     from keras_attn.ops.kernels import torch_eager
 
-    assert (torch_eager._contracted_axes(equation) is not None) == matmul
+    assert (torch_eager._matmul_form(equation) is not None) == matmul
     x = keras.ops.cast(random_floats(*x_shape, seed=1), dtype)
     kernel = keras.ops.cast(random_floats(*kernel_shape, seed=2), dtype)
     product = keras.ops.einsum(equation, x, kernel)
@@ -55,3 +58,24 @@ def test_what_keras_would_cast_is_left_to_it():
     assert half is not None  # Keras' einsum casts nothing: torch's einsum
     assert torch_eager.layer_norm(of("float64", x), None, None, 1e-3) is None
     assert torch_eager.rms_norm(of("float64", x), None, 1e-3) is None
+
+
+@pytest.mark.parametrize(
+    "equation, x_shape, kernel_shape",
+    [
+        ("abcd,cde->abe", (2, 3, 4, 8), (8, 4, 5)),  # contracted sizes differ
+        ("abc,cd->abd", (2, 3, 4, 8), (8, 5)),  # an input of another rank
+    ],
+)
+def test_shapes_torch_einsum_refuses_still_raise(equation, x_shape, kernel_shape):
+    """A matmul of flattened axes would compute something for these; Keras'
+    einsum raises, and so does the projection."""
+    import torch
+
+    from keras_attn.ops.kernels import torch_eager
+
+    x, kernel = random_floats(*x_shape), random_floats(*kernel_shape)
+    with pytest.raises(RuntimeError):
+        keras.ops.einsum(equation, x, kernel)
+    with pytest.raises(RuntimeError):
+        torch_eager.projection(torch.tensor(x), torch.tensor(kernel), None, equation)

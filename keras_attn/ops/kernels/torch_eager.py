@@ -12,8 +12,8 @@ dtype cases where Keras' op makes exactly that call (Keras 3.15.1,
 `None` elsewhere, for the caller to take Keras' op:
 
 - `projection` (`einsum` or `matmul`, then `add`): tensors of one float
-  dtype (Keras casts nothing then; it computes a float16 matmul on a CPU in
-  float32, so that is left to it);
+  dtype on one device (Keras casts and moves nothing then; it computes a
+  float16 matmul on a CPU in float32, so that is left to it);
 - `layer_norm` over the last axis, `rms_norm` over the last axis: the input
   taken to float32 and the weights to its dtype, then cast back, as Keras
   does.
@@ -22,9 +22,11 @@ Keras 3.15's dtype rules read `torch.float64` as float32 (its matmul, add and
 norms compute float64 tensors in float32), so float64 is left to Keras' ops.
 
 An einsum that is a matmul of flattened axes (every projection of
-`MultiHeadAttention`) runs as that matmul: autograd then records one op, not
-torch einsum's permutes and batched matmul (a projection's forward and
-backward in half the time on a CPU, at a block's small shapes).
+`MultiHeadAttention`; each letter once, shapes that torch's einsum takes)
+runs as that matmul: autograd then records one op, not torch einsum's
+permutes and batched matmul (a projection's forward and backward in half the
+time on a CPU, at a block's small shapes). Other equations, and shapes that
+torch's einsum refuses, go to torch's einsum as Keras' would.
 
 The numbers are Keras' own, bit for bit on a CPU (`tests/ops/test_torch_eager.py`,
 `tests/layers/test_lean_path.py`); on a GPU the einsum-as-matmul is the same
@@ -45,39 +47,55 @@ _HALF = torch.float16  # Keras' torch matmul computes it in float32 on a CPU
 def projection(x, kernel, bias=None, equation=None):
     """`keras.ops.einsum(equation, x, kernel)` (`keras.ops.matmul(x, kernel)`
     without an equation) plus `bias` with `keras.ops.add`; `None` where
-    Keras would cast: tensors of more than one dtype, or not float, or a
-    float16 matmul."""
+    Keras would cast or move: tensors of more than one dtype or device, or
+    not float, or a float16 matmul."""
     tensors = (x, kernel) if bias is None else (x, kernel, bias)
     dtype = x.dtype
     if dtype not in FLOATS or any(t.dtype != dtype for t in tensors):
         return None
-    contracted = 0 if equation is None else _contracted_axes(equation)
-    if dtype == _HALF and contracted is not None:
-        if equation is None:
+    if not _one_device(*tensors):
+        return None
+    if equation is None:
+        if dtype == _HALF:
             return None
-        contracted = None  # Keras' einsum of float16, not its matmul
-    if contracted is None:
-        y = torch.einsum(equation, x, kernel)
-    elif contracted == 0:
         y = torch.matmul(x, kernel)
-    else:
-        y = _einsum_as_matmul(x, kernel, contracted)
+    elif dtype != _HALF and _is_matmul(equation, x, kernel):
+        y = _einsum_as_matmul(x, kernel, _matmul_form(equation)[0])
+    else:  # Keras' einsum of float16 too: torch's einsum, as Keras calls it
+        y = torch.einsum(equation, x, kernel)
     return y if bias is None else torch.add(y, bias)
 
 
 @functools.lru_cache(maxsize=64)
-def _contracted_axes(equation):
-    """For an equation `P C, C K -> P K` (the input's last axes contracted
-    with the kernel's first, the rest kept in order: every projection of
-    `MultiHeadAttention`), the number of contracted axes; else `None`."""
+def _matmul_form(equation):
+    """`(contracted axes, input rank or None with an ellipsis)` for an
+    equation `P C, C K -> P K` (the input's last axes contracted with the
+    kernel's first, the rest kept in order, each letter once: every
+    projection of `MultiHeadAttention`); else `None`."""
     inputs, rest = equation.replace(" ", "").split(",")
     kernel, output = rest.split("->")
+    letters = [term.replace("...", "") for term in (inputs, kernel, output)]
+    if "." in kernel or any(len(set(term)) != len(term) for term in letters):
+        return None  # a diagonal or a sum over a repeated letter
     for n in range(1, min(len(inputs), len(kernel))):
         kept, contracted, free = inputs[:-n], inputs[-n:], kernel[n:]
         shared = set(kept) & set(kernel)  # a batch axis of both: not a matmul
         if kernel[:n] == contracted and output == kept + free and not shared:
-            return n if kept and free else None
+            rank = None if "..." in inputs else len(inputs)
+            return (n, rank) if kept and free else None
     return None
+
+
+def _is_matmul(equation, x, kernel):
+    """Whether `equation` of these tensors is a matmul of flattened axes:
+    its form, and shapes that torch's einsum would take (else it raises)."""
+    form = _matmul_form(equation)
+    if form is None:
+        return False
+    contracted, rank = form
+    if rank is not None and x.dim() != rank or x.dim() <= contracted:
+        return False
+    return tuple(x.shape[x.dim() - contracted :]) == tuple(kernel.shape[:contracted])
 
 
 def _einsum_as_matmul(x, kernel, contracted):
@@ -86,15 +104,15 @@ def _einsum_as_matmul(x, kernel, contracted):
     matmul, which autograd records op by op (its forward and backward twice
     a matmul's time on a CPU, at a block's small shapes)."""
     kept = x.shape[: x.dim() - contracted]
-    free = kernel.shape[contracted:]
-    flat = kernel.reshape(math.prod(kernel.shape[:contracted]), math.prod(free))
-    return torch.matmul(x.reshape(*kept, -1), flat).reshape(*kept, *free)
+    size, free = math.prod(kernel.shape[:contracted]), kernel.shape[contracted:]
+    flat = kernel.reshape(size, math.prod(free))
+    return torch.matmul(x.reshape(*kept, size), flat).reshape(*kept, *free)
 
 
 def layer_norm(x, gamma, beta, epsilon):
     """`keras.ops.layer_normalization(x, gamma, beta, -1, epsilon)`, or
     `None` (float64)."""
-    if x.dtype not in FLOATS:
+    if x.dtype not in FLOATS or not _one_device(x, gamma, beta):
         return None
     y = _as(x, torch.float32)
     gamma, beta = _as(gamma, torch.float32), _as(beta, torch.float32)
@@ -104,11 +122,17 @@ def layer_norm(x, gamma, beta, epsilon):
 def rms_norm(x, scale, epsilon):
     """`keras.ops.rms_normalization(x, scale, -1, epsilon)`, or `None`
     (float64)."""
-    if x.dtype not in FLOATS:
+    if x.dtype not in FLOATS or not _one_device(x, scale):
         return None
     y = _as(x, torch.float32)
     scale = _as(scale, torch.float32)
     return _as(functional.rms_norm(y, y.shape[-1:], scale, epsilon), x.dtype)
+
+
+def _one_device(x, *tensors):
+    """Whether the tensors (`None` aside) are on `x`'s device: Keras' ops
+    would move them to its own device, which is left to them."""
+    return all(t is None or t.device == x.device for t in tensors)
 
 
 def _as(x, dtype):
