@@ -49,8 +49,7 @@ def call_sublayer(layer, inputs, *args, **kwargs):
     the same (the module docstring says when)."""
     if not lean(layer, inputs, *args, *kwargs.values()):
         return layer(inputs, *args, **kwargs)
-    direct = _DIRECT.get(type(layer).call) if not (args or kwargs) else None
-    outputs = None if direct is None else direct(layer, inputs)
+    outputs = None if args or kwargs else _direct(layer, inputs)
     return layer.call(inputs, *args, **kwargs) if outputs is None else outputs
 
 
@@ -59,10 +58,16 @@ def direct_call(layer, inputs):
     `Dense`, `EinsumDense`, `LayerNormalization` or `RMSNormalization` on a
     lean call, from inside a parent's `call` or from no layer's), or `None`
     for the caller to call the layer."""
-    direct = _DIRECT.get(type(layer).call)
-    if direct is None or not lean(layer, inputs):
+    if type(layer).call not in _DIRECT or not lean(layer, inputs):
         return None
-    return direct(layer, inputs)
+    return _direct(layer, inputs)
+
+
+def _direct(layer, inputs):
+    """The torch calls of a lean layer's Keras `call`, or `None` (another
+    layer, or a case Keras' `call` keeps)."""
+    direct = _DIRECT.get(type(layer).call)
+    return None if direct is None else direct(layer, inputs)
 
 
 def lean(layer, inputs, *arguments):

@@ -59,8 +59,8 @@ def projection(x, kernel, bias=None, equation=None):
         if dtype == _HALF:
             return None
         y = torch.matmul(x, kernel)
-    elif dtype != _HALF and _is_matmul(equation, x, kernel):
-        y = _einsum_as_matmul(x, kernel, _matmul_form(equation)[0])
+    elif dtype != _HALF and (contracted := _matmul_axes(equation, x, kernel)):
+        y = _einsum_as_matmul(x, kernel, contracted)
     else:  # Keras' einsum of float16 too: torch's einsum, as Keras calls it
         y = torch.einsum(equation, x, kernel)
     return y if bias is None else torch.add(y, bias)
@@ -86,16 +86,18 @@ def _matmul_form(equation):
     return None
 
 
-def _is_matmul(equation, x, kernel):
-    """Whether `equation` of these tensors is a matmul of flattened axes:
-    its form, and shapes that torch's einsum would take (else it raises)."""
+def _matmul_axes(equation, x, kernel):
+    """The contracted axes where `equation` of these tensors is a matmul of
+    flattened axes (its form, and shapes that torch's einsum would take: else
+    it raises), or `None`."""
     form = _matmul_form(equation)
     if form is None:
-        return False
+        return None
     contracted, rank = form
     if rank is not None and x.dim() != rank or x.dim() <= contracted:
-        return False
-    return tuple(x.shape[x.dim() - contracted :]) == tuple(kernel.shape[:contracted])
+        return None
+    fits = tuple(x.shape[x.dim() - contracted :]) == tuple(kernel.shape[:contracted])
+    return contracted if fits else None
 
 
 def _einsum_as_matmul(x, kernel, contracted):
