@@ -79,3 +79,45 @@ def test_shapes_torch_einsum_refuses_still_raise(equation, x_shape, kernel_shape
         keras.ops.einsum(equation, x, kernel)
     with pytest.raises(RuntimeError):
         torch_eager.projection(torch.tensor(x), torch.tensor(kernel), None, equation)
+
+
+STRIDED = [  # (equation or None for a matmul, input shape, permutation, kernel)
+    (None, (3, 5, 6), None, (6, 7)),  # Dense
+    (None, (3, 6, 5), (0, 2, 1), (6, 7)),  # Dense, a transposed input
+    (None, (4, 6), None, (6, 7)),  # Dense of a matrix
+    ("abc,cde->abde", (2, 8, 5), (0, 2, 1), (8, 2, 4)),
+    ("abcd,cde->abe", (2, 2, 5, 4), (0, 2, 1, 3), (2, 4, 8)),  # SDPA's output
+]
+
+
+@pytest.mark.parametrize("equation, x_shape, permutation, kernel_shape", STRIDED)
+@pytest.mark.parametrize("trainable", [True, False])
+def test_products_of_strided_inputs_give_keras_numbers_and_gradients(
+    equation, x_shape, permutation, kernel_shape, trainable
+):
+    """The product runs as a `torch.mm` of views; a strided input, and a
+    kernel with or without gradients (where `torch.matmul` may take a batched
+    product), give Keras' op's outputs and gradients bit for bit."""
+    import torch
+
+    from keras_attn.ops.kernels import torch_eager
+
+    def run(product):
+        x = torch.tensor(random_floats(*x_shape, seed=1), requires_grad=True)
+        kernel = torch.tensor(
+            random_floats(*kernel_shape, seed=2), requires_grad=trainable
+        )
+        inputs = x if permutation is None else x.permute(*permutation)
+        y = product(inputs, kernel)
+        y.backward(torch.tensor(random_floats(*y.shape, seed=3)))
+        grads = (x.grad, kernel.grad if trainable else x.grad)
+        return [t.detach().numpy() for t in (y, *grads)]
+
+    def keras_op(x, kernel):
+        if equation is None:
+            return keras.ops.matmul(x, kernel)
+        return keras.ops.einsum(equation, x, kernel)
+
+    ours = run(lambda x, kernel: torch_eager.projection(x, kernel, None, equation))
+    for result, expected in zip(ours, run(keras_op), strict=True):
+        np.testing.assert_array_equal(result, expected)

@@ -23,10 +23,13 @@ norms compute float64 tensors in float32), so float64 is left to Keras' ops.
 
 An einsum that is a matmul of flattened axes (every projection of
 `MultiHeadAttention`; each letter once, shapes that torch's einsum takes)
-runs as that matmul: autograd then records one op, not torch einsum's
-permutes and batched matmul (a projection's forward and backward in half the
-time on a CPU, at a block's small shapes). Other equations, and shapes that
-torch's einsum refuses, go to torch's einsum as Keras' would.
+runs as that matmul, and so does a `Dense` matmul: one `torch.mm` of views
+of the input and kernel. Autograd then records one product, not torch
+einsum's permutes and batched matmul (a projection's forward and backward in
+half the time on a CPU, at a block's small shapes), and a decoding step
+makes 7 ops a projection rather than 15. Other equations, shapes that
+torch's einsum refuses, and strided inputs that torch would take as a
+batched product go to Keras' torch call.
 
 The numbers are Keras' own, bit for bit on a CPU (`tests/ops/test_torch_eager.py`,
 `tests/layers/test_lean_path.py`); on a GPU the einsum-as-matmul is the same
@@ -58,11 +61,14 @@ def projection(x, kernel, bias=None, equation=None):
     if equation is None:
         if dtype == _HALF:
             return None
-        y = torch.matmul(x, kernel)
-    elif dtype != _HALF and (contracted := _matmul_axes(equation, x, kernel)):
-        y = _einsum_as_matmul(x, kernel, contracted)
-    else:  # Keras' einsum of float16 too: torch's einsum, as Keras calls it
-        y = torch.einsum(equation, x, kernel)
+        # Else torch's matmul: its broadcasting, or its error for a mismatch.
+        matrix = kernel.dim() == 2 and x.dim() >= 2 and x.shape[-1] == kernel.shape[0]
+        y = _matmul(x, kernel, 1) if matrix else None
+        y = torch.matmul(x, kernel) if y is None else y
+    else:  # float16 too: torch's einsum, as Keras calls it
+        contracted = dtype != _HALF and _matmul_axes(equation, x, kernel)
+        y = _matmul(x, kernel, contracted) if contracted else None
+        y = torch.einsum(equation, x, kernel) if y is None else y
     return y if bias is None else torch.add(y, bias)
 
 
@@ -100,15 +106,32 @@ def _matmul_axes(equation, x, kernel):
     return contracted if fits else None
 
 
-def _einsum_as_matmul(x, kernel, contracted):
-    """`torch.einsum` of `P C, C K -> P K` as one matmul of flattened axes:
+def _matmul(x, kernel, contracted):
+    """The product of `x`'s last `contracted` axes with `kernel`'s first:
+    the matrix product that `torch.matmul` makes of the flattened axes (it
+    folds a contiguous input's leading axes into rows), as one `torch.mm` of
+    views (an op each, where `reshape` is two and `matmul` adds its own).
+    `None` for a strided input with one contracted axis, which torch's
+    `matmul` and `einsum` may take as a batched product, with other roundings
+    (`tests/ops/test_torch_eager.py`): that is left to Keras' call.
+
     torch's einsum makes the same product through permutes and a batched
     matmul, which autograd records op by op (its forward and backward twice
     a matmul's time on a CPU, at a block's small shapes)."""
+    if contracted == 1 and not x.is_contiguous():
+        return None
     kept = x.shape[: x.dim() - contracted]
     size, free = math.prod(kernel.shape[:contracted]), kernel.shape[contracted:]
-    flat = kernel.reshape(size, math.prod(free))
-    return torch.matmul(x.reshape(*kept, size), flat).reshape(*kept, *free)
+    rows = _flat(x, (math.prod(kept), size))  # a copy where `x` is strided
+    return torch.mm(rows, _flat(kernel, (size, math.prod(free)))).view(*kept, *free)
+
+
+def _flat(x, shape):
+    """`x.reshape(shape)`: `x` itself in that shape, else a view (one op)
+    where `x` is contiguous."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x.view(shape) if x.is_contiguous() else x.reshape(shape)
 
 
 def layer_norm(x, gamma, beta, epsilon):
