@@ -29,14 +29,25 @@ def write_in_place(buffer, update, index, axis=1):
     return buffer.index_copy_(axis, positions, update)
 
 
-def write_keys_and_values(cache, keys, values, index):
-    """`keys` and `values` `(B, n, K, D)` copied into `cache` `(B, 2, K, L,
-    D)` at positions `index, ..., index + n - 1`, in place, through views of
-    the cache (no stacked, transposed copy of the update); returns `cache`."""
-    positions = _positions(index, keys.shape[1], cache.device)
-    for slot, update in enumerate((keys, values)):
-        cache[:, slot].transpose(1, 2).index_copy_(1, positions, update)  # (B, L, K, D)
-    return cache
+def keys_and_values_writer(index, count, device):
+    """`write(cache, keys, values, at)` for the decoders of one step: `keys`
+    and `values` `(B, n, K, D)` copied into `cache` `(B, 2, K, L, D)` at
+    positions `at, ..., at + n - 1`, in place, through views of the cache (no
+    stacked, transposed copy of the update); returns `cache`.
+
+    Every decoder of a step writes at its `index` the step's `count` tokens:
+    their positions are made once, for all of them (a decoder given another
+    index or count gets its own)."""
+    positions = _positions(index, count, device)
+
+    def write(cache, keys, values, at):
+        shared = at is index and keys.shape[1] == count
+        where = positions if shared else _positions(at, keys.shape[1], cache.device)
+        for slot, update in enumerate((keys, values)):
+            cache[:, slot].transpose(1, 2).index_copy_(1, where, update)  # (B, L, K, D)
+        return cache
+
+    return write
 
 
 def _positions(index, count, device):

@@ -29,7 +29,7 @@ class ModelAdapter:
     with a padded source, `source_mask`.
 
     On PyTorch a step writes its new keys and values into the caches in
-    place (`_torch.write_keys_and_values`), as gpt-fast does: the caches are the
+    place (`_torch.keys_and_values_writer`), as gpt-fast does: the caches are the
     adapter's own, and a copy per step would move the whole cache. Rolling
     caches are rolled into new ones.
     """
@@ -49,11 +49,11 @@ class ModelAdapter:
             )
             for layer in plan.decoders
         ]
-        self.write = None  # `keras.ops.slice_update`
+        self.writer = None  # `keras.ops.slice_update`
         if keras.config.backend() == "torch":
             from keras_attn.generation import _torch
 
-            self.write = _torch.write_keys_and_values
+            self.writer = _torch.keys_and_values_writer
 
     def prefill(self, prompt, pads, sources, size):
         """Run the encoder and the prompt: `(last logits (B, V), state)` with
@@ -131,6 +131,7 @@ class ModelAdapter:
         if any(layer.rope_max_wavelength for layer in self.plan.decoders):
             positions = start[:, None] + ops.arange(token_ids.shape[1], dtype="int32")
         x = self._embed(token_ids, start)
+        write = None if prefill else self._writer(index, token_ids)
         caches, decoder = [], 0
         for layer, _ in self.plan.body:
             if isinstance(layer, PositionEmbedding):
@@ -144,7 +145,7 @@ class ModelAdapter:
                 x, cache = _rolling_call(layer, x, state, decoder, index, kwargs)
             else:
                 x, cache = self._decoder_call(
-                    layer, x, state, decoder, index, kwargs, prefill
+                    layer, x, state, decoder, index, kwargs, write
                 )
             caches.append(cache)
             decoder += 1
@@ -165,11 +166,19 @@ class ModelAdapter:
             x, fresh = y, True
         return x
 
-    def _decoder_call(self, layer, x, state, decoder, index, kwargs, prefill):
-        """A decoder on the new tokens, its cache written at `index` (in
-        place in a step on PyTorch): `(output, cache)`. Through the lean
-        path: every argument is explicit, masks included."""
-        with caches_written_by(None if prefill else self.write):
+    def _writer(self, index, token_ids):
+        """How a step's decoders write their caches: in place on PyTorch
+        (the positions made once for all of them), else `None` (Keras'
+        `slice_update`)."""
+        if self.writer is None:
+            return None
+        return self.writer(index, token_ids.shape[1], token_ids.device)
+
+    def _decoder_call(self, layer, x, state, decoder, index, kwargs, write):
+        """A decoder on the new tokens, its cache written at `index` by
+        `write` (`None`: by `slice_update`): `(output, cache)`. Through the
+        lean path: every argument is explicit, masks included."""
+        with caches_written_by(write):
             x, cache, *_ = call_sublayer(
                 layer,
                 x,

@@ -162,9 +162,10 @@ class AttentionCall:
             )
             if self.use_causal_mask and not one_token:
                 written = causal(query_length, key_length, offset)
-            else:  # every key written so far
+            else:  # every key written so far: up to the last new one's
                 keys = ops.arange(0, key_length, dtype="int32")
-                written = ops.expand_dims(keys < offset + ops.shape(self.key)[1], 0)
+                last = offset if one_token else offset + ops.shape(self.key)[1] - 1
+                written = ops.expand_dims(keys <= last, 0)
         if sliding_window is not None:
             band = window_band(query_length, key_length, sliding_window, offset)
         return written, band
