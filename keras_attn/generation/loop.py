@@ -12,6 +12,7 @@ from keras import ops
 from keras_attn.generation import processors, strategies
 from keras_attn.generation.adapter import FunctionAdapter, pad_to
 from keras_attn.generation.settings import NUMBERS
+from keras_attn.ops.positions import constant
 
 
 class Generator(keras.Model):
@@ -213,7 +214,7 @@ class Generator(keras.Model):
             token = ops.where(done, self.settings.pad_token_id, token)
         state = {**state, "tokens": self._put(state["tokens"], token, index)}
         if ends:
-            end_ids = ops.convert_to_tensor(ends, "int32")
+            end_ids = constant(ends, "int32", token)
             ended = ops.any(token[:, None] == end_ids[None], -1)
             state["done"] = ops.logical_or(done, ended)
         if self.settings.return_scores:

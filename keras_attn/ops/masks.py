@@ -13,7 +13,7 @@ from keras_attn._checks import (
     check_segment_ids,
     check_size,
 )
-from keras_attn.ops.positions import segment_runs
+from keras_attn.ops.positions import constant, segment_runs
 
 __all__ = [
     "alibi_bias",
@@ -244,9 +244,8 @@ def alibi_bias(num_heads, query_length, key_length, query_offset=0, max_bias=8.0
     check_positive_int("num_heads", num_heads)
     _check_positions(query_length, key_length, query_offset)
     check_positive_float("max_bias", max_bias)
-    # Python floats, not numpy: a constant under `torch.compile`.
-    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads, max_bias), "float32")
     distance = ops.abs(offsets(query_length, key_length, query_offset))
+    slopes = constant(_alibi_slopes(num_heads, max_bias), "float32", distance)
     minus_distance = ops.cast(-distance, "float32")  # 0, not -0, on the diagonal
     return ops.reshape(slopes, (1, -1, 1, 1)) * ops.expand_dims(minus_distance, (0, 1))
 

@@ -16,7 +16,10 @@ dtype cases where Keras' op makes exactly that call (Keras 3.15.1,
   float16 matmul on a CPU in float32, so that is left to it);
 - `layer_norm` over the last axis, `rms_norm` over the last axis: the input
   taken to float32 and the weights to its dtype, then cast back, as Keras
-  does.
+  does;
+- `constant`: a list of Python numbers as a tensor, which Keras'
+  `convert_to_tensor` first walks element by element through its tree
+  utilities.
 
 Keras 3.15's dtype rules read `torch.float64` as float32 (its matmul, add and
 norms compute float64 tensors in float32), so float64 is left to Keras' ops.
@@ -152,6 +155,13 @@ def rms_norm(x, scale, epsilon):
     y = _as(x, torch.float32)
     scale = _as(scale, torch.float32)
     return _as(functional.rms_norm(y, y.shape[-1:], scale, epsilon), x.dtype)
+
+
+def constant(values, dtype, like):
+    """`torch.as_tensor(values)` in `dtype` (a Keras dtype name) on the
+    device of `like`: the call Keras' `convert_to_tensor(values, dtype)`
+    makes, after walking the list through its tree utilities."""
+    return torch.as_tensor(values, dtype=getattr(torch, dtype), device=like.device)
 
 
 def _one_device(x, *tensors):
