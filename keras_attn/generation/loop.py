@@ -12,7 +12,7 @@ from keras import ops
 from keras_attn.generation import processors, strategies
 from keras_attn.generation.adapter import FunctionAdapter, pad_to
 from keras_attn.generation.settings import NUMBERS
-from keras_attn.ops.positions import constant
+from keras_attn.ops.constants import constant
 
 
 class Generator(keras.Model):

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from keras import ops
+from keras.backend import standardize_dtype
 
 from keras_attn._checks import (
     check_bool,
@@ -152,7 +153,7 @@ class AttentionCall:
         band."""
         offset, written, band = 0, None, None
         if self.cache_update_index is not None:  # queries at index, index + 1, ...
-            offset = self.cache_update_index
+            offset = _int32(self.cache_update_index)
             # One new token of self-attention (a decoding step) sees every
             # key written so far: that is its causal mask, built for less.
             one_token = (  # a length known when traced (not a TF tensor)
@@ -182,6 +183,15 @@ class AttentionCall:
             real = padding[0] if len(padding) == 1 else ops.logical_and(*padding)
             real = real[:, 0]  # (B, S)
         return ops.logical_or(band, sink_keys(key_length, sinks, real))
+
+
+def _int32(index):
+    """The cache index as int32, cast only where it is not (TensorFlow
+    compares no int32 positions with an int64 index; a no-op cast still
+    costs an op on PyTorch)."""
+    if isinstance(index, int) or standardize_dtype(index.dtype) == "int32":
+        return index
+    return ops.cast(index, "int32")
 
 
 def check_shapes(layer, query_shape, value_shape, key_shape):

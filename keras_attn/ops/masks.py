@@ -13,7 +13,8 @@ from keras_attn._checks import (
     check_segment_ids,
     check_size,
 )
-from keras_attn.ops.positions import constant, segment_runs
+from keras_attn.ops.constants import constant
+from keras_attn.ops.positions import segment_runs
 
 __all__ = [
     "alibi_bias",

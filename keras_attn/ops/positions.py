@@ -6,7 +6,6 @@ float64 (Python floats), so every backend evaluates the same numbers.
 
 import math
 
-import keras
 from keras import ops
 
 from keras_attn._checks import (
@@ -16,12 +15,8 @@ from keras_attn._checks import (
     check_segment_ids,
     check_size,
 )
+from keras_attn.ops.constants import constant
 from keras_attn.ops.dtypes import at_least_float32
-
-if keras.config.backend() == "torch":
-    from keras_attn.ops.kernels import torch_eager
-else:
-    torch_eager = None
 
 __all__ = ["rotary_embedding", "segment_positions", "sinusoidal_position_encoding"]
 
@@ -258,21 +253,6 @@ def inverse_frequencies(max_wavelength, exponents, scaling_factor=1.0):
     Python floats (float64), to be rounded once to float32 (`constant`)."""
     base, scaling_factor = float(max_wavelength), float(scaling_factor)
     return [base**-exponent / scaling_factor for exponent in exponents]
-
-
-def constant(values, dtype, like):
-    """`values`, a list of Python numbers, as a tensor of `dtype` on the
-    device of the tensor `like`: `keras.ops.convert_to_tensor(values,
-    dtype)`, which on PyTorch walks the list through Keras' tree utilities
-    element by element (about 300 us for 64 numbers on a CPU, a fifth of a
-    decoding step), so there it is torch's own call (6 us).
-
-    A list rather than a numpy array: a constant that `torch.compile` folds,
-    where an array made in the traced function breaks the graph.
-    """
-    if torch_eager is not None:
-        return torch_eager.constant(values, dtype, like)
-    return ops.convert_to_tensor(values, dtype=dtype)
 
 
 def rotary_frequencies(max_wavelength, dim, scaling_factor=1.0, scaling=None):

@@ -464,6 +464,27 @@ def test_sliding_window_in_cached_decoding_equals_the_full_call():
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, **TOLERANCE)
 
 
+@pytest.mark.parametrize("int64", [False, True], ids=["int", "int64"])
+def test_cached_tokens_without_a_causal_mask_see_the_keys_written_so_far(int64):
+    """Without a causal mask, tokens written at an index see every key
+    written so far and no slot after them, whatever those hold; one token
+    alone too. The index may be an int64 (TensorFlow compares no int32
+    positions with an int64)."""
+    layer = MultiHeadAttention(2, key_dim=4)
+    x = random_floats(2, 6, 8)
+    five, six = to_numpy(layer(x[:, :5])), to_numpy(layer(x))
+    cache = random_floats(2, 2, 2, 7, 4, seed=5)  # other keys in every slot
+
+    def at(index):
+        return np.int64(index) if int64 else index
+
+    _, cache = layer(x[:, :2], cache=cache, cache_update_index=at(0))
+    rest, cache = layer(x[:, 2:5], cache=cache, cache_update_index=at(2))
+    np.testing.assert_allclose(to_numpy(rest), five[:, 2:], **TOLERANCE)
+    last, _ = layer(x[:, 5:], cache=cache, cache_update_index=at(5))
+    np.testing.assert_allclose(to_numpy(last), six[:, 5:], **TOLERANCE)
+
+
 def test_grouped_query_heads_reach_the_fused_kernel_unrepeated(fused_calls):
     layer = MultiHeadAttention(6, key_dim=4, num_key_value_heads=2)
     x = random_floats(3, 5, 8)

@@ -81,19 +81,27 @@ def test_shapes_torch_einsum_refuses_still_raise(equation, x_shape, kernel_shape
         torch_eager.projection(torch.tensor(x), torch.tensor(kernel), None, equation)
 
 
-STRIDED = [  # (equation or None for a matmul, input shape, permutation, kernel)
+def _permuted(*axes):
+    return lambda x: x.permute(*axes)
+
+
+STRIDED = [  # (equation or None for a matmul, input shape, its view, kernel)
     (None, (3, 5, 6), None, (6, 7)),  # Dense
-    (None, (3, 6, 5), (0, 2, 1), (6, 7)),  # Dense, a transposed input
+    (None, (3, 6, 5), _permuted(0, 2, 1), (6, 7)),  # Dense, a transposed input
     (None, (4, 6), None, (6, 7)),  # Dense of a matrix
-    ("abc,cde->abde", (2, 8, 5), (0, 2, 1), (8, 2, 4)),
-    ("abcd,cde->abe", (2, 2, 5, 4), (0, 2, 1, 3), (2, 4, 8)),  # SDPA's output
+    # Contiguous, but a size-1 axis's stride is not the next one's times its
+    # size: torch's matmul folds it only for a kernel that requires grad.
+    (None, (1, 5, 16), lambda x: x[:, -1:], (16, 7)),
+    (None, (3, 16, 1), _permuted(0, 2, 1), (16, 7)),
+    ("abc,cde->abde", (2, 8, 5), _permuted(0, 2, 1), (8, 2, 4)),
+    ("abcd,cde->abe", (2, 2, 5, 4), _permuted(0, 2, 1, 3), (2, 4, 8)),  # SDPA's
 ]
 
 
-@pytest.mark.parametrize("equation, x_shape, permutation, kernel_shape", STRIDED)
+@pytest.mark.parametrize("equation, x_shape, view, kernel_shape", STRIDED)
 @pytest.mark.parametrize("trainable", [True, False])
 def test_products_of_strided_inputs_give_keras_numbers_and_gradients(
-    equation, x_shape, permutation, kernel_shape, trainable
+    equation, x_shape, view, kernel_shape, trainable
 ):
     """The product runs as a `torch.mm` of views; a strided input, and a
     kernel with or without gradients (where `torch.matmul` may take a batched
@@ -107,8 +115,7 @@ def test_products_of_strided_inputs_give_keras_numbers_and_gradients(
         kernel = torch.tensor(
             random_floats(*kernel_shape, seed=2), requires_grad=trainable
         )
-        inputs = x if permutation is None else x.permute(*permutation)
-        y = product(inputs, kernel)
+        y = product(x if view is None else view(x), kernel)
         y.backward(torch.tensor(random_floats(*y.shape, seed=3)))
         grads = (x.grad, kernel.grad if trainable else x.grad)
         return [t.detach().numpy() for t in (y, *grads)]

@@ -17,9 +17,7 @@ dtype cases where Keras' op makes exactly that call (Keras 3.15.1,
 - `layer_norm` over the last axis, `rms_norm` over the last axis: the input
   taken to float32 and the weights to its dtype, then cast back, as Keras
   does;
-- `constant`: a list of Python numbers as a tensor, which Keras'
-  `convert_to_tensor` first walks element by element through its tree
-  utilities.
+- `constant`: Python numbers as a tensor (`keras_attn.ops.constants`).
 
 Keras 3.15's dtype rules read `torch.float64` as float32 (its matmul, add and
 norms compute float64 tensors in float32), so float64 is left to Keras' ops.
@@ -29,15 +27,17 @@ An einsum that is a matmul of flattened axes (every projection of
 runs as that matmul, and so does a `Dense` matmul: one `torch.mm` of views
 of the input and kernel. Autograd then records one product, not torch
 einsum's permutes and batched matmul (a projection's forward and backward in
-half the time on a CPU, at a block's small shapes), and a decoding step
-makes 7 ops a projection rather than 15. Other equations, shapes that
-torch's einsum refuses, and strided inputs that torch would take as a
-batched product go to Keras' torch call.
+half the time on a CPU, at a block's small shapes), and a projection with
+its bias takes 8 aten ops rather than 15 (13 projections in a decoding
+step). Other equations, shapes that torch's einsum refuses, and inputs that
+torch's matmul would take as a batched product go to Keras' torch call.
 
-The numbers are Keras' own, bit for bit on a CPU (`tests/ops/test_torch_eager.py`,
-`tests/layers/test_lean_path.py`); on a GPU the einsum-as-matmul is the same
-product, though torch may pick another kernel for it than for the einsum's
-batched matmul, with other roundings.
+The numbers are Keras' own on a CPU, bit for bit at a block's shapes
+(`tests/ops/test_torch_eager.py`, `tests/layers/test_lean_path.py`), a
+`Dense` matmul at every shape. At some small shapes torch's einsum takes a
+batched kernel whose sums round an ulp apart from the matmul's (in a sweep,
+a few with a contracted size of 32 or less, none from 64). On a GPU torch may also pick another kernel for the
+matmul than for the einsum's batched matmul, with other roundings.
 """
 
 import functools
@@ -112,21 +112,33 @@ def _matmul_axes(equation, x, kernel):
 def _matmul(x, kernel, contracted):
     """The product of `x`'s last `contracted` axes with `kernel`'s first:
     the matrix product that `torch.matmul` makes of the flattened axes (it
-    folds a contiguous input's leading axes into rows), as one `torch.mm` of
-    views (an op each, where `reshape` is two and `matmul` adds its own).
-    `None` for a strided input with one contracted axis, which torch's
-    `matmul` and `einsum` may take as a batched product, with other roundings
-    (`tests/ops/test_torch_eager.py`): that is left to Keras' call.
+    folds the input's leading axes into rows), as one `torch.mm` of views
+    (an op each, where `reshape` is two and `matmul` adds its own). `None`
+    for one contracted axis where `torch.matmul` would not fold (`_folds`)
+    but take a batched product, with other roundings: that is left to
+    Keras' call.
 
     torch's einsum makes the same product through permutes and a batched
     matmul, which autograd records op by op (its forward and backward twice
     a matmul's time on a CPU, at a block's small shapes)."""
-    if contracted == 1 and not x.is_contiguous():
+    if contracted == 1 and not _folds(x, kernel):
         return None
     kept = x.shape[: x.dim() - contracted]
     size, free = math.prod(kernel.shape[:contracted]), kernel.shape[contracted:]
     rows = _flat(x, (math.prod(kept), size))  # a copy where `x` is strided
     return torch.mm(rows, _flat(kernel, (size, math.prod(free)))).view(*kept, *free)
+
+
+def _folds(x, kernel):
+    """Whether `torch.matmul(x, kernel)` (a matrix kernel) makes one `mm`:
+    torch's `should_fold` (`aten/src/ATen/native/LinearAlgebra.cpp`, torch
+    2.13) folds for a kernel that requires grad, an empty input, or leading
+    axes laid out as rows (each stride the next one's times its size: size-1
+    axes count, which `is_contiguous` skips); a matrix input is an `mm`."""
+    if x.dim() == 2 or kernel.requires_grad or x.numel() == 0:
+        return True
+    sizes, strides = x.shape, x.stride()
+    return all(strides[i] == strides[i + 1] * sizes[i + 1] for i in range(x.dim() - 2))
 
 
 def _flat(x, shape):
@@ -160,7 +172,7 @@ def rms_norm(x, scale, epsilon):
 def constant(values, dtype, like):
     """`torch.as_tensor(values)` in `dtype` (a Keras dtype name) on the
     device of `like`: the call Keras' `convert_to_tensor(values, dtype)`
-    makes, after walking the list through its tree utilities."""
+    makes (`keras_attn.ops.constants` says why not Keras')."""
     return torch.as_tensor(values, dtype=getattr(torch, dtype), device=like.device)
 
 
