@@ -36,8 +36,9 @@ The numbers are Keras' own on a CPU, bit for bit at a block's shapes
 (`tests/ops/test_torch_eager.py`, `tests/layers/test_lean_path.py`), a
 `Dense` matmul at every shape. At some small shapes torch's einsum takes a
 batched kernel whose sums round an ulp apart from the matmul's (in a sweep,
-a few with a contracted size of 32 or less, none from 64). On a GPU torch may also pick another kernel for the
-matmul than for the einsum's batched matmul, with other roundings.
+a few with a contracted size of 32 or less, none from 64). On a GPU torch
+may also pick another kernel for the matmul than for the einsum's batched
+matmul, with other roundings.
 """
 
 import functools
