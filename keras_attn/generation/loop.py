@@ -3,6 +3,7 @@ strategy, wired into compiled `ops.while_loop`s, one per cache segment (on
 PyTorch, a Python loop over one step, compiled once per shape)."""
 
 import contextlib
+import functools
 import threading
 
 import keras
@@ -201,8 +202,9 @@ class Generator(keras.Model):
         return logits
 
     def _end_tokens(self, logits):
-        vocabulary = np.arange(logits.shape[-1])
-        return ops.convert_to_tensor(np.isin(vocabulary, self.settings.end_token_ids))
+        """bool `(V,)`: True at the end tokens' ids."""
+        ends = _end_token_mask(logits.shape[-1], tuple(self.settings.end_token_ids))
+        return ops.convert_to_tensor(ends)
 
     def _write(self, token, log_prob, state):
         """Each row's token (padding once the row is done) at `index`, and
@@ -231,6 +233,16 @@ class Generator(keras.Model):
         if self.write_in_place is not None:
             return self.write_in_place(buffer, column[:, None], index)
         return ops.slice_update(buffer, [0, index], column[:, None])
+
+
+@functools.lru_cache(maxsize=16)
+def _end_token_mask(vocabulary_size, end_token_ids):
+    """The numpy mask of `Generator._end_tokens`, made once (an eager step
+    would spend 50-80 us on `np.isin` of the whole vocabulary); read-only,
+    as it is shared."""
+    mask = np.isin(np.arange(vocabulary_size), end_token_ids)
+    mask.flags.writeable = False
+    return mask
 
 
 def _seen(prompt, pads, vocabulary):
