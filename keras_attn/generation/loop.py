@@ -216,9 +216,7 @@ class Generator(keras.Model):
             token = ops.where(done, self.settings.pad_token_id, token)
         state = {**state, "tokens": self._put(state["tokens"], token, index)}
         if ends:
-            end_ids = constant(ends, "int32", token)
-            ended = ops.any(token[:, None] == end_ids[None], -1)
-            state["done"] = ops.logical_or(done, ended)
+            state["done"] = ops.logical_or(done, is_end_token(token, ends))
         if self.settings.return_scores:
             log_prob = ops.where(done, 0.0, log_prob) if ends else log_prob
             state["scores"] = self._put(state["scores"], log_prob, index)
@@ -233,6 +231,12 @@ class Generator(keras.Model):
         if self.write_in_place is not None:
             return self.write_in_place(buffer, column[:, None], index)
         return ops.slice_update(buffer, [0, index], column[:, None])
+
+
+def is_end_token(tokens, end_token_ids):
+    """bool, of `tokens`' shape: where a token is one of `end_token_ids`."""
+    ends = constant(end_token_ids, "int32", tokens)
+    return ops.any(tokens[..., None] == ends, axis=-1)
 
 
 @functools.lru_cache(maxsize=16)

@@ -27,9 +27,13 @@ from keras import ops
 
 from keras_attn.generation import strategies
 from keras_attn.generation.adapter import pad_to
-from keras_attn.generation.loop import Generator, numbered, shapes_key
+from keras_attn.generation.loop import (
+    Generator,
+    is_end_token,
+    numbered,
+    shapes_key,
+)
 from keras_attn.generation.settings import NUMBERS
-from keras_attn.ops.constants import constant
 
 # Random streams of a round: a draft token's draw, its acceptance test, the
 # token that replaces it (or the bonus one after the last).
@@ -222,8 +226,7 @@ class SpeculativeGenerator(Generator):
         in_round = (columns <= kept)[None, :]  # (1, k + 1)
         ended = ops.zeros_like(chosen, "bool")
         if self.settings.end_token_ids:
-            ends = constant(self.settings.end_token_ids, "int32", chosen)
-            ended = ops.any(chosen[..., None] == ends, axis=-1)  # (B, k + 1)
+            ended = is_end_token(chosen, self.settings.end_token_ids)  # (B, k + 1)
             ended = ops.logical_and(ended, in_round)
         ends_before = ops.cumsum(ops.cast(ended, "int32"), axis=1) - ops.cast(
             ended, "int32"

@@ -111,7 +111,7 @@ class AttentionCall:
         count from the index (or 0) on their own.
         """
         index = self.cache_update_index
-        start = ops.cast(0 if index is None else index, "int32")
+        start = 0 if index is None else _int32(index)
         positions = self.positions
         if positions is None:
             positions = self.segment_positions  # (B, T), or None
