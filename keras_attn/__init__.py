@@ -4,7 +4,7 @@ The same layers, and the same numbers, on TensorFlow, JAX and PyTorch
 (`KERAS_BACKEND=tensorflow|jax|torch`).
 """
 
-from keras_attn import distribution, generation, models, ops
+from keras_attn import cache, distribution, generation, models, ops
 from keras_attn._version import __version__
 from keras_attn.layers import (
     MultiHeadAttention,
@@ -18,6 +18,7 @@ __all__ = [
     "SinusoidalEmbedding",
     "TransformerDecoder",
     "TransformerEncoder",
+    "cache",
     "distribution",
     "generation",
     "models",

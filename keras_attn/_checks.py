@@ -6,13 +6,11 @@ Each public entry (a layer's `__init__`, `build` or `call`, a public op,
 shapes and dtypes read static shapes only. The few that read tensor values
 (`check_index`, token ids) do so in eager calls only, and never inside the
 decoding loop of `generate`, which checks its inputs once and runs its steps
-under `checked_upstream()`.
+through the layers' unchecked twins (`decode_unchecked`, `call_unchecked`).
 """
 
-import contextlib
 import inspect
 import numbers
-import threading
 
 import keras
 from keras import ops
@@ -436,34 +434,6 @@ def check_attention_inputs(query, key, value, mask=None, bias=None, heads_major=
 
 
 # --- Tensor values (eager calls only) -----------------------------------------
-
-
-class _Upstream:
-    """The threads inside `checked_upstream()`, with how many blocks each has
-    open (a class attribute: `torch.compile` reads it, and guards on it, like
-    a constant, and an empty one asks nothing of `threading`)."""
-
-    threads = {}
-
-
-@contextlib.contextmanager
-def checked_upstream():
-    """Layers called inside, in this thread, skip their call checks: the
-    caller has checked every tensor it passes (the decoding loop of
-    `generate`, whose steps must not read tensors back to the host)."""
-    thread = threading.get_ident()
-    _Upstream.threads[thread] = _Upstream.threads.get(thread, 0) + 1
-    try:
-        yield
-    finally:
-        _Upstream.threads[thread] -= 1
-        if not _Upstream.threads[thread]:
-            del _Upstream.threads[thread]
-
-
-def call_checks_skipped():
-    """Whether a layer's call runs inside `checked_upstream()`."""
-    return bool(_Upstream.threads) and threading.get_ident() in _Upstream.threads
 
 
 def compiled_by_torch():

@@ -11,7 +11,7 @@ replayed as a CUDA graph on a GPU. The step takes and returns a flat tuple of
 tensors, so a call checks no nested structure.
 
 As in gpt-fast and Hugging Face's static cache, the key/value caches are
-written in place (`write_in_place`): a step copies one position per layer
+written in place (`keras_attn.cache`): a step copies one position per layer
 and returns only what changed (the tokens, logits, index, ...), never a
 cache. `benchmarks/generation.py` measures it.
 """
@@ -20,42 +20,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 no_grad = torch.no_grad
-
-
-def write_in_place(buffer, update, index, axis=1):
-    """`update` copied into `buffer` at positions `index, ..., index + n - 1`
-    of `axis` (`n`: the update's size there), in place; returns `buffer`."""
-    positions = _positions(index, update.shape[axis], buffer.device)
-    return buffer.index_copy_(axis, positions, update)
-
-
-def keys_and_values_writer(index, count, device):
-    """`write(cache, keys, values, at)` for the decoders of one step: `keys`
-    and `values` `(B, n, K, D)` copied into `cache` `(B, 2, K, L, D)` at
-    positions `at, ..., at + n - 1`, in place, through views of the cache (no
-    stacked, transposed copy of the update); returns `cache`.
-
-    Every decoder of a step writes at its `index` the step's `count` tokens:
-    their positions are made once, for all of them (a decoder given another
-    index or count gets its own)."""
-    positions = _positions(index, count, device)
-
-    def write(cache, keys, values, at):
-        shared = at is index and keys.shape[1] == count
-        where = positions if shared else _positions(at, keys.shape[1], cache.device)
-        for slot, update in enumerate((keys, values)):
-            cache[:, slot].transpose(1, 2).index_copy_(1, where, update)  # (B, L, K, D)
-        return cache
-
-    return write
-
-
-def _positions(index, count, device):
-    """int64 `(count,)`: `index, ..., index + count - 1`. They stay a tensor:
-    nothing is read back to the host."""
-    if count == 1 and isinstance(index, torch.Tensor):  # a step: no `arange`
-        return index.reshape(1).long()
-    return index + torch.arange(count, device=device)  # int32 + int64: int64
 
 
 class _FlatStep(torch.nn.Module):

@@ -40,6 +40,7 @@ def generate(
     return_scores=False,
     on_token=None,
     jit_compile="auto",
+    cache_dtype=None,
     draft_model=None,
     num_speculative_tokens=None,
     return_acceptance=False,
@@ -157,6 +158,15 @@ def generate(
             the step eagerly from a Python loop everywhere (for debugging).
             Compiled loops are kept per model, settings, prompt width, length
             and (on PyTorch) batch size.
+        cache_dtype: `None`, `"int8"` or a float dtype name, keyword only.
+            The self-attention caches' dtype: `None` keeps the model's
+            compute dtype; `"int8"` quantizes each key and value vector
+            (per token and head, symmetric, a float32 scale each:
+            `keras_attn.cache.Int8Cache`) as it is written and dequantizes
+            it inside the step that reads it, about a quarter of a float32
+            cache's memory (half of a bfloat16 one) at a head width of 64;
+            a float dtype (e.g. `"bfloat16"` for a float32 model) stores
+            them in it. Not with `(prefill, step)` functions.
         draft_model: a functional `keras.Model` as `model` is, keyword only:
             speculative decoding (Leviathan et al., 2022). Each round the
             draft proposes `num_speculative_tokens` tokens one at a time
@@ -227,6 +237,7 @@ def generate(
         min_new_tokens=min_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, repetition_penalty=repetition_penalty,
         length_penalty=length_penalty, seed=seed, num_beams=num_beams,
+        cache_dtype=cache_dtype,
     )  # fmt: skip
     _check_call_options(settings, on_token)
     jit_compile = _jit_compile(jit_compile)
@@ -234,6 +245,12 @@ def generate(
         settings, draft_model, num_speculative_tokens, return_acceptance
     )
     owner, plan = _plan(model)
+    if settings.cache_dtype is not None and isinstance(plan, _FunctionPlan):
+        raise ValueError(
+            "`cache_dtype` sets the dtype of the caches `generate` makes for a "
+            "model's decoders; `(prefill, step)` functions keep their own. "
+            f"Received: cache_dtype={settings.cache_dtype!r} with functions."
+        )
     draft = _draft_plan(draft_model, model, plan, k)
     prompt, sources = plan.split_inputs(inputs)
     prompt, pads, right_padded = prompts.left_pad(prompt, settings.pad_token_id)
@@ -393,9 +410,10 @@ def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
         return cache[key]
     if draft:
         size = length + draft.k + 1
+        dtype = settings.cache_dtype
         cache[key] = SpeculativeGenerator(
-            ModelAdapter(plan, size, roll=False),
-            ModelAdapter(draft.plan, size, roll=False),
+            ModelAdapter(plan, size, roll=False, cache_dtype=dtype),
+            ModelAdapter(draft.plan, size, roll=False, cache_dtype=dtype),
             settings, width, length, draft.k, jit_compile,
         )  # fmt: skip
         return cache[key]
@@ -404,7 +422,7 @@ def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
         if not adapter.layers:  # weights unknown: compiled in, so never kept
             return Generator(adapter, settings, width, length, jit_compile)
     else:
-        adapter = ModelAdapter(plan, length)
+        adapter = ModelAdapter(plan, length, cache_dtype=settings.cache_dtype)
     cache[key] = Generator(adapter, settings, width, length, jit_compile)
     return cache[key]
 

@@ -13,6 +13,7 @@ from keras import ops
 from keras_attn.generation import processors, strategies
 from keras_attn.generation.adapter import FunctionAdapter, pad_to
 from keras_attn.generation.settings import NUMBERS
+from keras_attn.layers._lean_call import SublayerCalls
 from keras_attn.ops.constants import constant
 
 
@@ -45,9 +46,9 @@ class Generator(keras.Model):
         # `slice_update` there clones the buffer and builds a meshgrid.
         self.write_in_place = None
         if torch:
-            from keras_attn.generation import _torch
+            from keras_attn import _torch_eager
 
-            self.write_in_place = _torch.write_in_place
+            self.write_in_place = _torch_eager.write_in_place
         self._holding = threading.Lock()
         self.compile(jit_compile=jit_compile and not torch)
         self.built = True
@@ -67,8 +68,9 @@ class Generator(keras.Model):
             segments = [self.length]  # PyTorch: one compile per `generate` shape
         sources = numbered(inputs, "encoder_")
         pads = ops.cast(inputs["pads"], "int32")
+        calls = SublayerCalls()  # bound once for every step of this call
         logits, model = self.adapter.prefill(
-            inputs["prompt"], pads, sources, segments[0]
+            inputs["prompt"], pads, sources, segments[0], calls
         )
         state = self.strategy.start(
             self._initial_state(inputs["prompt"], pads, logits, model)
@@ -78,7 +80,7 @@ class Generator(keras.Model):
             for i, size in enumerate(segments):
                 if i > 0:
                     state["model"] = self.adapter.grow(state["model"], size)
-                state = self._segment(state, size, numbers, on_token)
+                state = self._segment(state, size, numbers, on_token, calls)
             results = self.strategy.finish(state, numbers)
             if self.compiled_steps is not None:  # off the compiled step's buffers,
                 results = [None if r is None else ops.copy(r) for r in results]
@@ -105,7 +107,7 @@ class Generator(keras.Model):
             state["seen"] = _seen(prompt, pads, vocabulary)
         return state
 
-    def _segment(self, state, size, numbers, on_token):
+    def _segment(self, state, size, numbers, on_token, calls):
         """Steps while the index is below `size` and some row is not done."""
 
         def running(state):
@@ -114,21 +116,21 @@ class Generator(keras.Model):
             )
 
         def body(state):
-            return self._step(state, numbers)
+            return self._step(state, numbers, calls)
 
         if on_token is None and self.jit_compile:  # JAX, TensorFlow
             return ops.while_loop(running, body, state)
-        return self._python_loop(state, size, numbers, on_token)
+        return self._python_loop(state, size, numbers, on_token, calls)
 
-    def _python_loop(self, state, size, numbers, on_token):
+    def _python_loop(self, state, size, numbers, on_token, calls):
         """The segment's steps from Python (PyTorch, or to call `on_token`):
         the index is a Python int. `done` is read back once per step where
         end tokens can finish rows early; otherwise a step reads nothing back
         to the host."""
         step = (
-            (lambda state: self._step(state, numbers))
+            (lambda state: self._step(state, numbers, calls))
             if self.compiled_steps is None
-            else self._compiled(state, numbers)
+            else self._compiled(state, numbers, calls)
         )
         index = int(ops.convert_to_numpy(state["index"]))
         ends = bool(self.settings.end_token_ids)
@@ -158,7 +160,7 @@ class Generator(keras.Model):
         held.callback(self._holding.release)
         return held
 
-    def _compiled(self, state, numbers):
+    def _compiled(self, state, numbers, calls):
         """PyTorch: the step exported and compiled for these shapes (one
         segment, the whole length: one compile per `generate` shape)."""
         key = shapes_key(state)  # the source's length too
@@ -166,18 +168,21 @@ class Generator(keras.Model):
             from keras_attn.generation import _torch
 
             self.compiled_steps[key] = _torch.compile_step(
-                self._step, self.decoding_layers, state, numbers
+                functools.partial(self._step, calls=calls),
+                self.decoding_layers,
+                state,
+                numbers,
             )
         compiled = self.compiled_steps[key]
         return lambda state: compiled(state, numbers)
 
-    def _step(self, state, numbers):
+    def _step(self, state, numbers, calls):
         """Choose and write one token per row, then run the model on it."""
         self.traces += 1
         logits = self._process(state, numbers)
         token, log_prob, state = self.strategy.choose(logits, state, numbers)
         token, state = self._write(token, log_prob, state)
-        logits, model = self.adapter.step(token, state["index"], state["model"])
+        logits, model = self.adapter.step(token, state["index"], state["model"], calls)
         return {**state, "index": state["index"] + 1, "logits": logits, "model": model}
 
     def _process(self, state, numbers):

@@ -8,6 +8,7 @@ import random
 import numpy as np
 
 METHODS = ("greedy", "sample", "beam")
+CACHE_DTYPES = (None, "int8", "float32", "bfloat16", "float16")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p", "seed")
 DRAFT_TOKENS = 4  # `num_speculative_tokens=None` with a draft model
 # The compiled loop's numeric inputs (`Settings.numbers()`).
@@ -46,6 +47,7 @@ class Settings:
     pad_token_id: int
     return_scores: bool
     penalized: bool
+    cache_dtype: str | None
     max_length: int | None = _number()
     max_new_tokens: int | None = _number()
     min_new_tokens: int = _number()
@@ -58,13 +60,24 @@ class Settings:
 
     @classmethod
     def from_arguments(
-        cls, method, end_token_id, pad_token_id, return_scores, **arguments
+        cls,
+        method,
+        end_token_id,
+        pad_token_id,
+        return_scores,
+        cache_dtype=None,
+        **arguments,
     ):
         """Validate `generate`'s arguments, each once; raise naming the first
         bad one."""
         if method not in METHODS:
             raise ValueError(
                 f"`method` must be one of {METHODS}. Received: method={method!r}."
+            )
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"`cache_dtype` must be one of {list(CACHE_DTYPES)}. "
+                f"Received: cache_dtype={cache_dtype!r}."
             )
         _check_lengths(arguments["max_length"], arguments["max_new_tokens"])
         _check_int("min_new_tokens", arguments["min_new_tokens"], minimum=0)
@@ -99,6 +112,7 @@ class Settings:
             pad_token_id=int(pad_token_id),
             return_scores=return_scores,
             penalized=arguments["repetition_penalty"] != 1,
+            cache_dtype=cache_dtype,
             **{k: v for k, v in arguments.items() if k != "num_beams"},
         )
 

@@ -23,6 +23,8 @@ positions in the place of a step. Its state:
   proposed over the rows still running, for the acceptance rate.
 """
 
+import functools
+
 from keras import ops
 
 from keras_attn.generation import strategies
@@ -34,6 +36,7 @@ from keras_attn.generation.loop import (
     shapes_key,
 )
 from keras_attn.generation.settings import NUMBERS
+from keras_attn.layers._lean_call import SublayerCalls
 
 # Random streams of a round: a draft token's draw, its acceptance test, the
 # token that replaces it (or the bonus one after the last).
@@ -72,15 +75,16 @@ class SpeculativeGenerator(Generator):
         """`{"tokens", "acceptance"}` and `"scores"` if asked for; tokens
         and scores `(batch, length)`, the acceptance rate a float32 scalar
         (NaN if nothing was proposed)."""
-        state = self._initial_state(inputs)
+        calls = SublayerCalls()  # bound once for every round of this call
+        state = self._initial_state(inputs, calls)
         numbers = {key: inputs[key] for key in NUMBERS}
         if on_token is None and self.jit_compile:  # JAX, TensorFlow
             state = ops.while_loop(
-                self._running, lambda s: self._round(s, numbers), state
+                self._running, lambda s: self._round(s, numbers, calls), state
             )
         else:
             with self._steps_held():
-                state = self._python_rounds(state, numbers, on_token)
+                state = self._python_rounds(state, numbers, on_token, calls)
         outputs = {
             "tokens": state["tokens"][:, : self.length],
             "acceptance": state["accepted"] / state["proposed"],
@@ -89,12 +93,12 @@ class SpeculativeGenerator(Generator):
             outputs["scores"] = state["scores"][:, : self.length]
         return outputs
 
-    def _initial_state(self, inputs):
+    def _initial_state(self, inputs, calls):
         prompt, pads = inputs["prompt"], ops.cast(inputs["pads"], "int32")
         size = self.length + self.k + 1
         sources = numbered(inputs, "encoder_")  # both models read them
         models = {
-            name: adapter.prefill(prompt, pads, sources, size)[1]
+            name: adapter.prefill(prompt, pads, sources, size, calls)[1]
             for name, adapter in (("target", self.adapter), ("draft", self.draft))
         }
         state = {
@@ -116,13 +120,14 @@ class SpeculativeGenerator(Generator):
             state["index"] < self.length, ops.logical_not(ops.all(state["done"]))
         )
 
-    def _python_rounds(self, state, numbers, on_token):
+    def _python_rounds(self, state, numbers, on_token, calls):
         """Rounds from Python (PyTorch, `jit_compile=False`, `on_token`): the
         index is read back once per round (how far a round goes depends on
         the tokens), and `on_token` called for each new position."""
-        index, round_ = self.width, self._round
+        index = self.width
+        round_ = functools.partial(self._round, calls=calls)
         if self.compiled_steps is not None:  # PyTorch, jit_compile=True
-            round_ = self._compiled_round(state, numbers)
+            round_ = self._compiled_round(state, numbers, round_)
         while bool(ops.convert_to_numpy(self._running(state))):
             state = round_(state, numbers)
             new_index = int(ops.convert_to_numpy(state["index"]))
@@ -133,7 +138,7 @@ class SpeculativeGenerator(Generator):
             index = new_index
         return state
 
-    def _compiled_round(self, state, numbers):
+    def _compiled_round(self, state, numbers, round_):
         """PyTorch: the round exported and compiled for these shapes, as
         `Generator._compiled` does the step (the draft's weights included)."""
         key = shapes_key(state)
@@ -142,19 +147,21 @@ class SpeculativeGenerator(Generator):
 
             layers = [*self.decoding_layers, *self.draft_layers]
             self.compiled_steps[key] = _torch.compile_step(
-                self._round, list(dict.fromkeys(layers)), state, numbers
+                round_, list(dict.fromkeys(layers)), state, numbers
             )
         return self.compiled_steps[key]
 
-    def _round(self, state, numbers):
+    def _round(self, state, numbers, calls):
         """Propose `k` tokens, verify them in one target pass, keep the
         accepted prefix (the same length in every row) and one more."""
         self.traces += 1
         index = state["index"]
         pending = ops.take(state["tokens"], index - 1, axis=1)  # (B,)
-        proposals, q_logits, draft = self._propose(pending, state, numbers)
+        proposals, q_logits, draft = self._propose(pending, state, numbers, calls)
         verified = ops.concatenate([pending[:, None], proposals], axis=1)
-        logits, target = self.adapter.extend(verified, index - 1, state["target"])
+        logits, target = self.adapter.extend(
+            verified, index - 1, state["target"], calls
+        )
         p_logits = self._process_at(logits, index, numbers)  # (B, k + 1, V)
         chosen, accepted = self._verify(p_logits, q_logits, proposals, index, numbers)
         running = ops.logical_not(state["done"])
@@ -172,14 +179,14 @@ class SpeculativeGenerator(Generator):
             "proposed": state["proposed"] + self.k * ops.sum(counted),
         }
 
-    def _propose(self, pending, state, numbers):
+    def _propose(self, pending, state, numbers, calls):
         """The draft's `k` tokens `(B, k)` after the pending one, and its
         processed logits `(B, k, V)` they were chosen from. The draft runs
         `k + 1` tokens, the last for its cache only."""
         index, draft = state["index"], state["draft"]
         token, proposals, q_logits = pending, [], []
         for j in range(self.k + 1):
-            logits, draft = self.draft.step(token, index - 1 + j, draft)
+            logits, draft = self.draft.step(token, index - 1 + j, draft, calls)
             if j == self.k:
                 break
             logits = self._process_at(logits[:, None], index + j, numbers)[:, 0]

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 from keras import ops
-from keras.backend import standardize_dtype
 
 from keras_attn._checks import (
     check_bool,
@@ -21,8 +20,9 @@ from keras_attn._checks import (
     check_width,
     dims_differ,
 )
+from keras_attn.cache import DenseCache, Int8Cache, RollingCache
 from keras_attn.layers._attention_axes import AttentionAxes
-from keras_attn.layers._kv_cache import check_cache
+from keras_attn.ops.dtypes import int32
 from keras_attn.ops.masks import (
     causal,
     merge_attention_masks,
@@ -111,7 +111,7 @@ class AttentionCall:
         count from the index (or 0) on their own.
         """
         index = self.cache_update_index
-        start = 0 if index is None else _int32(index)
+        start = 0 if index is None else int32(index)
         positions = self.positions
         if positions is None:
             positions = self.segment_positions  # (B, T), or None
@@ -153,7 +153,7 @@ class AttentionCall:
         band."""
         offset, written, band = 0, None, None
         if self.cache_update_index is not None:  # queries at index, index + 1, ...
-            offset = _int32(self.cache_update_index)
+            offset = int32(self.cache_update_index)
             # One new token of self-attention (a decoding step) sees every
             # key written so far: that is its causal mask, built for less.
             one_token = (  # a length known when traced (not a TF tensor)
@@ -183,15 +183,6 @@ class AttentionCall:
             real = padding[0] if len(padding) == 1 else ops.logical_and(*padding)
             real = real[:, 0]  # (B, S)
         return ops.logical_or(band, sink_keys(key_length, sinks, real))
-
-
-def _int32(index):
-    """The cache index as int32, cast only where it is not (TensorFlow
-    compares no int32 positions with an int64 index; a no-op cast still
-    costs an op on PyTorch)."""
-    if isinstance(index, int) or standardize_dtype(index.dtype) == "int32":
-        return index
-    return ops.cast(index, "int32")
 
 
 def check_shapes(layer, query_shape, value_shape, key_shape):
@@ -340,8 +331,8 @@ def _check_cache_arguments(layer, call, key_inner):
         return key_inner
     check_cache(layer, cache, call.query.shape[0])
     if index is not None:  # the new keys are written from there
-        check_index("cache_update_index", index, key_inner[1], cache.shape[3])
-    return (key_inner[0], cache.shape[3])
+        check_index("cache_update_index", index, key_inner[1], cache_length(cache))
+    return (key_inner[0], cache_length(cache))
 
 
 def _check_inputs(layer, query, value, key, projected):
@@ -387,3 +378,60 @@ def _check_attention_bias(layer, bias, inner, key_inner):
         full,
         "(batch, num_heads, query_length, key_length)",
     )
+
+
+# --- Caches --------------------------------------------------------------------
+
+
+def check_cacheable(layer):
+    """Raise unless `layer` is built for key/value caches."""
+    if not layer.built:
+        raise ValueError(
+            f"{layer.name} must be built (called once) before it makes a cache."
+        )
+    if layer._value_head_dim != layer._head_dim:
+        raise ValueError(
+            "A key/value cache stacks keys and values, so it needs "
+            "`value_dim == key_dim`. Received: "
+            f"key_dim={layer._head_dim}, value_dim={layer._value_head_dim}."
+        )
+    if layer._axes.rank != 3:
+        raise ValueError(
+            "Key/value caches need inputs of rank 3, (batch, length, width). "
+            f"{layer.name} was built for inputs of rank {layer._axes.rank}."
+        )
+
+
+def check_cache(layer, cache, batch, name="cache"):
+    """Raise unless `cache` is a float `(batch, 2, kv_heads, length, key_dim)`
+    tensor, or a `DenseCache` or `Int8Cache` of that shape (a
+    `RollingCache` holds slots, not positions: it is read by
+    `decode_unchecked`, not by `call`)."""
+    check_cacheable(layer)
+    expected = (batch, 2, layer._kv_heads, None, layer._head_dim)
+    if isinstance(cache, RollingCache):
+        raise ValueError(
+            f"`{name}` is a RollingCache, whose slots hold a sliding window's "
+            "positions out of order: `call` takes a cache tensor, a "
+            "DenseCache or an Int8Cache; a RollingCache goes to "
+            "`decode_unchecked` (as `keras_attn.generation.generate` uses it)."
+        )
+    if isinstance(cache, Int8Cache):
+        check_mask(f"{name}.kv", cache.kv, expected)
+        check_mask(f"{name}.scale", cache.scale, (*expected[:4], 1))
+        return
+    if isinstance(cache, DenseCache):
+        cache, name = cache.kv, f"{name}.kv"
+    elif isinstance(cache, tuple) or not hasattr(cache, "shape"):
+        raise TypeError(
+            f"`{name}` must be a tensor `(batch, 2, num_key_value_heads, "
+            "length, key_dim)` or a `keras_attn.cache` object. "
+            f"Received: {name} of type {type(cache).__name__}."
+        )
+    check_mask(name, cache, expected)
+    check_float(name, cache)
+
+
+def cache_length(cache):
+    """The number of positions of a cache tensor or object."""
+    return cache.length if isinstance(cache, tuple) else cache.shape[3]

@@ -15,7 +15,7 @@ from keras_attn._checks import (
     check_width,
     get_keras_object,
 )
-from keras_attn.layers import _int8
+from keras_attn.layers import _int8, _lean_call
 from keras_attn.layers._attention_call import check_scores_allowed
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._lean_call import call_sublayer
@@ -118,7 +118,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
 
         Self-attention (no `value_shape`) gets the rotary positions; both
         kinds get QK-norm and soft-capping. The block checks the tensors it
-        passes on, so the sublayer does not check them again.
+        passes on, and calls the sublayer's `call_unchecked`.
         """
         width = query_shape[-1]
         options = AttentionOptions.config_of(self)
@@ -138,7 +138,6 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             name=name,
             **options,
         )
-        attention._inputs_checked_by_caller = True
         attention.build(query_shape, value_shape)
         norm = self._build_norm(f"{name}_layer_norm", query_shape)
         return attention, norm, self._build_output_norm(name, query_shape)
@@ -220,44 +219,46 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         """
         norm, output_norm = norms
         hidden = call_sublayer(norm, x) if self.normalize_first else x
-        outputs = call_sublayer(
-            attention,
-            hidden,
-            training=training,
-            return_attention_scores=return_scores,
-            **kw,
-        )
+        kw.update(training=training, return_attention_scores=return_scores)
+        if _lean_call.lean(attention, hidden, *kw.values()):  # checked by this block
+            outputs = attention.call_unchecked(hidden, **kw)
+        else:
+            outputs = attention(hidden, **kw)
         outputs = tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,)
         scores = outputs[1] if return_scores else None
         cache = outputs[-1] if kw.get("cache") is not None else None
-        x = self._add_residual(x, outputs[0], norm, output_norm, training)
+        x = self._add_residual(x, outputs[0], norms, training)
         return x, scores, cache
 
-    def _feedforward_residual(self, x, training):
+    def _feedforward_residual(self, x, training, calls=call_sublayer):
         """`W_2 activation(W_1 x + b_1) + b_2`, or gated `W_2 (activation(W_g x)
-        * W_1 x)` (SwiGLU with silu, GeGLU with gelu), with its residual."""
+        * W_1 x)` (SwiGLU with silu, GeGLU with gelu), with its residual.
+        `calls`: how sublayers are called (`call_sublayer`, or a decoding's
+        `SublayerCalls`)."""
         norm = self.feedforward_layer_norm
-        hidden = call_sublayer(norm, x) if self.normalize_first else x
-        intermediate = call_sublayer(self.feedforward_intermediate_dense, hidden)
+        hidden = calls(norm, x) if self.normalize_first else x
+        intermediate = calls(self.feedforward_intermediate_dense, hidden)
         if self.gated_feedforward:
-            gate = self.activation(call_sublayer(self.feedforward_gate_dense, hidden))
+            gate = self.activation(calls(self.feedforward_gate_dense, hidden))
             hidden = gate * intermediate
         else:
             hidden = self.activation(intermediate)
         hidden = self._drop(hidden, training)
-        output = call_sublayer(self.feedforward_output_dense, hidden)
+        output = calls(self.feedforward_output_dense, hidden)
         return self._add_residual(
-            x, output, norm, self.feedforward_output_norm, training
+            x, output, (norm, self.feedforward_output_norm), training, calls
         )
 
-    def _add_residual(self, x, branch, norm, output_norm, training):
+    def _add_residual(self, x, branch, norms, training, calls=call_sublayer):
         """Post-norm `norm(x + drop(branch))` or pre-norm `x + drop(branch)`,
-        `branch` through `output_norm` first where there is one (Gemma 2's
-        post-sublayer norms, before the dropout as in keras-hub's Gemma)."""
+        `branch` through the output norm first where there is one (Gemma 2's
+        post-sublayer norms, before the dropout as in keras-hub's Gemma);
+        `norms`: the sublayer's `(norm, output_norm)`."""
+        norm, output_norm = norms
         if output_norm is not None:
-            branch = call_sublayer(output_norm, branch)
+            branch = calls(output_norm, branch)
         x = x + self._drop(branch, training)
-        return x if self.normalize_first else call_sublayer(norm, x)
+        return x if self.normalize_first else calls(norm, x)
 
     def _drop(self, x, training):
         """Dropout where it drops something: in training with a rate > 0.

@@ -15,8 +15,8 @@ from keras_attn._checks import (
     check_segment_ids_call,
     check_width,
 )
+from keras_attn.layers._attention_call import cache_length, check_cache
 from keras_attn.layers._block import first_mask
-from keras_attn.layers._kv_cache import check_cache
 
 
 @dataclasses.dataclass
@@ -121,8 +121,9 @@ def _check_self_attention_cache(layer, args, batch, target):
     if cache is None:
         return target
     check_cache(layer.self_attention, cache, batch, "self_attention_cache")
-    check_index("self_attention_cache_update_index", index, target, cache.shape[3])
-    return cache.shape[3]
+    length = cache_length(cache)
+    check_index("self_attention_cache_update_index", index, target, length)
+    return length
 
 
 def _check_cross_attention(layer, args, batch, target):
@@ -179,8 +180,9 @@ def _check_cross_attention_cache(layer, args, batch, source):
         return source
     check_cache(layer.cross_attention, cache, batch, "cross_attention_cache")
     if index is not None:
-        check_index("cross_attention_cache_update_index", index, source, cache.shape[3])
-    return cache.shape[3]
+        length = cache_length(cache)
+        check_index("cross_attention_cache_update_index", index, source, length)
+    return cache_length(cache)
 
 
 def _check_no_cross_attention(layer, args):
@@ -211,4 +213,8 @@ _CROSS_ATTENTION_ARGUMENTS = (
 
 
 def _described(value):
-    return "None" if value is None else f"tensor of shape {tuple(value.shape)}"
+    if value is None:
+        return "None"
+    if isinstance(value, tuple):  # a `keras_attn.cache` object
+        return f"a {type(value).__name__} of {value.length} positions"
+    return f"tensor of shape {tuple(value.shape)}"

@@ -26,7 +26,7 @@ masks) explicitly where the sublayer's `call` uses them.
 On PyTorch a lean call of Keras' own `Dense`, `EinsumDense`,
 `LayerNormalization` (over the last axis) or `RMSNormalization` goes one
 step further: the torch calls its `call` makes, without `keras.ops`'
-dispatch around each (`keras_attn.ops.kernels.torch_eager`, which says for
+dispatch around each (`keras_attn._torch_eager`, which says for
 which dtypes; Keras' `call` elsewhere). The kernel comes from the layer's
 own `kernel` property, LoRA included.
 """
@@ -39,7 +39,7 @@ except ImportError:  # another Keras: every sublayer through `__call__`
     get_autocast_scope = None
 
 if keras.config.backend() == "torch":
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 else:
     torch_eager = None
 
@@ -58,7 +58,7 @@ def direct_call(layer, inputs):
     `Dense`, `EinsumDense`, `LayerNormalization` or `RMSNormalization` on a
     lean call, from inside a parent's `call` or from no layer's), or `None`
     for the caller to call the layer."""
-    if type(layer).call not in _DIRECT or not lean(layer, inputs):
+    if type(layer).call not in _BINDERS or not lean(layer, inputs):
         return None
     return _direct(layer, inputs)
 
@@ -66,8 +66,9 @@ def direct_call(layer, inputs):
 def _direct(layer, inputs):
     """The torch calls of a lean layer's Keras `call`, or `None` (another
     layer, or a case Keras' `call` keeps)."""
-    direct = _DIRECT.get(type(layer).call)
-    return None if direct is None else direct(layer, inputs)
+    binder = _BINDERS.get(type(layer).call)
+    call = None if binder is None else binder(layer)
+    return None if call is None else call(inputs)
 
 
 def lean(layer, inputs, *arguments):
@@ -75,15 +76,79 @@ def lean(layer, inputs, *arguments):
     `layer(inputs, *arguments)` computes, from inside a parent's `call`
     (the arguments flat: tensors, Python values or `None`)."""
     return (
+        keras.ops.is_tensor(inputs)
+        and _arguments_kept(layer, (inputs, *arguments))
+        and _state_kept(layer)
+    )
+
+
+def _state_kept(layer):
+    """Whether `Layer.__call__` would add nothing to `layer.call` whatever
+    tensors of its compute dtype it is given: see the module docstring."""
+    return (
         layer.built
         and layer.quantization_mode is None
         and layer.activity_regularizer is None
         and getattr(layer, "_remat_mode", True) is None  # Keras' RematScope
         and keras.distribution.distribution() is None
-        and keras.ops.is_tensor(inputs)
-        and _arguments_kept(layer, (inputs, *arguments))
         and (_scope_kept(layer) if layer.autocast else _no_autocast(layer))
     )
+
+
+class SublayerCalls:
+    """What one decoding (a `generate` call) binds once for all its steps:
+    its sublayers' calls, each bound at its first use, and constants
+    (`once`).
+
+    `calls(layer, x)` is `layer(x)` for `x`, a tensor of the layer's compute
+    dtype made by the decoding itself (no array to convert, no Keras mask
+    riding on it).
+
+    What `Layer.__call__` and the lean path decide per call (is the layer
+    quantized, under a distribution, of mixed dtypes; which torch call its
+    Keras `call` makes, on which weight tensors) is decided at the first
+    step, for every step after it: the decoding's steps change no layer.
+    The weights are the variables' own tensors, so a later update of their
+    values is read; a layer quantized or given LoRA after this decoding
+    began is not, and the next `generate` call binds anew.
+    """
+
+    def __init__(self):
+        self._bound, self._constants = {}, {}
+
+    def __call__(self, layer, x):
+        function = self._bound.get(id(layer))
+        if function is None:
+            function = self._bound[id(layer)] = _bind(layer)
+        return function(x)
+
+    def once(self, key, make):
+        """`make()`, made at the first call with `key` in this decoding (e.g.
+        a position table, which no step changes)."""
+        if key not in self._constants:
+            self._constants[key] = make()
+        return self._constants[key]
+
+
+def _bind(layer):
+    """`layer`'s call on one tensor, as a function: its Keras `call` (on
+    PyTorch, Keras' own layers as their torch calls) where `__call__` would
+    add nothing, else `__call__`, its output copied: a fresh tensor carries
+    no Keras mask (an `Embedding(mask_zero=True)` sets one on its output,
+    and a `Softmax` would apply it across the vocabulary; a decoding step
+    passes its masks explicitly)."""
+    if not _state_kept(layer):
+        return lambda x: keras.ops.copy(layer(x))
+    binder = _BINDERS.get(type(layer).call)
+    direct = None if binder is None else binder(layer)
+    if direct is None:
+        return layer.call
+
+    def call(x):
+        y = direct(x)
+        return layer.call(x) if y is None else y
+
+    return call
 
 
 def _arguments_kept(layer, arguments):
@@ -132,55 +197,77 @@ def _value(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def _dense(layer, x, equation=None):
-    """`Dense.call` (`EinsumDense.call` with `equation`), or `None`."""
+def _bind_dense(layer, equation=None):
+    """`Dense.call` (`EinsumDense.call` with `equation`) as a function of
+    its input, returning `None` where Keras' own call must run."""
     bias = None if layer.bias is None else _value(layer.bias)
-    y = torch_eager.projection(x, _value(_kernel(layer)), bias, equation)
-    if y is None or layer.activation is None:
-        return y
-    return layer.activation(y)
+    kernel = _value(layer._kernel) if _plain_kernel(layer) else None
+
+    def call(x):  # else the layer's `kernel` property, asked at each call
+        y = torch_eager.projection(
+            x, layer.kernel if kernel is None else kernel, bias, equation
+        )
+        if y is None or layer.activation is None:
+            return y
+        return layer.activation(y)
+
+    return call
 
 
-def _kernel(layer):
-    """`layer.kernel`: Keras' own property returns its variable as it is
-    where no LoRA adapter adds to it (a lean call has no quantized kernel),
-    after about 3 us of checks on PyTorch (`_kernel`: Keras 3.15's name); a
+def _plain_kernel(layer):
+    """Whether the layer's kernel is its variable `_kernel` (Keras 3.15's
+    name) as it is: Keras' own property returns it so without LoRA (after
+    about 3 us of checks on PyTorch), adds the adapters with it; a
     subclass's own property is asked."""
-    if layer.lora_enabled or type(layer).kernel not in _KERAS_KERNELS:
-        return layer.kernel
-    return layer._kernel
+    return (
+        type(layer).kernel in _KERAS_KERNELS
+        and not layer.lora_enabled
+        and hasattr(layer, "_kernel")
+    )
 
 
-def _einsum_dense(layer, x):
-    return _dense(layer, x, layer.equation)
+def _bind_einsum_dense(layer):
+    return _bind_dense(layer, layer.equation)
 
 
-def _layer_norm(layer, x):
-    """`LayerNormalization.call` over the last axis, or `None`."""
-    if layer.rms_scaling or layer.axis not in ([-1], [len(x.shape) - 1]):
+def _bind_layer_norm(layer):
+    """`LayerNormalization.call` over the last axis (`None`: Keras' call)."""
+    if layer.rms_scaling:
         return None
-    if keras.backend.standardize_dtype(x.dtype) != layer.compute_dtype:
-        return None  # Keras casts the output to the compute dtype
     gamma = None if layer.gamma is None else _value(layer.gamma)
     beta = None if layer.beta is None else _value(layer.beta)
-    return torch_eager.layer_norm(x, gamma, beta, layer.epsilon)
+    dtype = layer.compute_dtype
+
+    def call(x):
+        if layer.axis not in ([-1], [x.dim() - 1]):
+            return None
+        if keras.backend.standardize_dtype(x.dtype) != dtype:
+            return None  # Keras casts the output to the compute dtype
+        return torch_eager.layer_norm(x, gamma, beta, layer.epsilon)
+
+    return call
 
 
-def _rms_norm(layer, x):
-    """`RMSNormalization.call` over the last axis, or `None`."""
-    if layer.axis not in (-1, len(x.shape) - 1, [-1], [len(x.shape) - 1]):
-        return None
+def _bind_rms_norm(layer):
+    """`RMSNormalization.call` over the last axis (`None`: Keras' call)."""
     epsilon = keras.config.epsilon() if layer.epsilon is None else layer.epsilon
-    return torch_eager.rms_norm(x, _value(layer.scale), epsilon)
+    scale = _value(layer.scale)
+
+    def call(x):
+        if layer.axis not in (-1, x.dim() - 1, [-1], [x.dim() - 1]):
+            return None
+        return torch_eager.rms_norm(x, scale, epsilon)
+
+    return call
 
 
 _KERAS_KERNELS = (keras.layers.Dense.kernel, keras.layers.EinsumDense.kernel)
-# Keras' `call` functions -> their torch calls; none but on PyTorch.
-_DIRECT = {
-    keras.layers.Dense.call: _dense,
-    keras.layers.EinsumDense.call: _einsum_dense,
-    keras.layers.LayerNormalization.call: _layer_norm,
-    keras.layers.RMSNormalization.call: _rms_norm,
+# Keras' `call` functions -> binders of their torch calls; none but on PyTorch.
+_BINDERS = {
+    keras.layers.Dense.call: _bind_dense,
+    keras.layers.EinsumDense.call: _bind_einsum_dense,
+    keras.layers.LayerNormalization.call: _bind_layer_norm,
+    keras.layers.RMSNormalization.call: _bind_rms_norm,
 }
 if torch_eager is None:
-    _DIRECT = {}
+    _BINDERS = {}

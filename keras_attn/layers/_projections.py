@@ -72,21 +72,22 @@ def output_projection(layer, query_width):
     return dense
 
 
-def project(dense, x):
-    """`dense(x)`, `(B, T, width)` -> `(B, T, heads, dim)` (through
-    `call_sublayer`).
+def project(dense, x, calls=call_sublayer):
+    """`dense(x)`, `(B, T, width)` -> `(B, T, heads, dim)` (through `calls`:
+    `call_sublayer`, or a decoding's `SublayerCalls`).
 
     Raises where Keras would add the bias on the wrong axis: on TensorFlow,
     `keras.ops.add` adds a bias of shape `(heads, 1)` along axis 1 (the
     positions) when there are as many positions as heads.
     """
+    if keras.backend.backend() == "tensorflow":
+        _check_bias_axis(dense, x)
+    return calls(dense, x)
+
+
+def _check_bias_axis(dense, x):
     bias_shape = () if dense.bias is None else tuple(dense.bias.shape)
-    if (
-        keras.backend.backend() == "tensorflow"
-        and len(bias_shape) == 2
-        and bias_shape[1] == 1
-        and 1 < bias_shape[0] == x.shape[1]
-    ):
+    if len(bias_shape) == 2 and bias_shape[1] == 1 and 1 < bias_shape[0] == x.shape[1]:
         raise ValueError(
             f"On TensorFlow, Keras adds the bias of `{dense.name}` (heads of "
             "width 1) along the wrong axis when the length equals the number "
@@ -94,4 +95,3 @@ def project(dense, x):
             f"heads={bias_shape[0]}, head width=1. Use heads of width > 1 "
             "(key_dim/value_dim), use_bias=False, or another backend."
         )
-    return call_sublayer(dense, x)

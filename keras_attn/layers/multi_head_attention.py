@@ -4,23 +4,30 @@ import keras
 from keras import ops
 
 from keras_attn._checks import (
-    call_checks_skipped,
     check_output_shape,
     check_positive_float,
     check_positive_int,
+    check_rank,
     check_rate,
     check_seed,
+    check_size,
+    check_width,
     normalize_attention_axes,
 )
+from keras_attn.cache import DenseCache, empty_cache
+from keras_attn.cache.dense import written
 from keras_attn.layers._attention_axes import AttentionAxes
 from keras_attn.layers._attention_call import (
     AttentionCall,
+    check_cacheable,
     check_call,
     check_heads,
     check_shapes,
 )
+from keras_attn.layers._attention_call import (
+    cache_length as length,
+)
 from keras_attn.layers._docs import shared_docs
-from keras_attn.layers._kv_cache import KeyValueCache
 from keras_attn.layers._lean_call import call_sublayer
 from keras_attn.layers._machinery import (
     ConfigCheck,
@@ -43,7 +50,7 @@ from keras_attn.ops.positions import rotate
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
-class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
+class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     """Multi-head attention, softmax(QK^T / sqrt(d_k)) V per head, then W_O.
 
     As in Vaswani et al. (2017), with grouped-query attention
@@ -305,9 +312,6 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         self.seed = check_seed(seed)
         self.qk_norm_epsilon = check_positive_float("qk_norm_epsilon", qk_norm_epsilon)
         self.supports_masking = True
-        # Set by a block that checks the inputs it passes on (each tensor is
-        # checked once, in the layer the user called).
-        self._inputs_checked_by_caller = False
 
     # --- Building -------------------------------------------------------------
 
@@ -380,8 +384,17 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             return_attention_scores, training, use_causal_mask, attention_bias,
             cache, cache_update_index, positions, segment_ids, mask,
         )  # fmt: skip
-        if self._checks_calls():
-            check_call(self, call)
+        check_call(self, call)
+        return self._attend(call)
+
+    def call_unchecked(self, query, value=None, key=None, **kwargs):
+        """`call` without its checks: for a caller that checked every
+        argument it passes (the blocks, whose own call checks them once)."""
+        return self._attend(AttentionCall(query, value, key, **kwargs))
+
+    def _attend(self, call):
+        """The attention of a checked call: projections, masks, the plan's
+        kernel, the output projection."""
         q, k, v, cache = self._queries_keys_values(call)
         lengths = ops.shape(q)[1], ops.shape(k)[1 if cache is None else 2]
         mask, causal = call.merged_mask(
@@ -390,18 +403,68 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         result = attend(
             q, k, v,
             mask=mask,
-            bias=attention_bias,
+            bias=call.attention_bias,
             is_causal=causal,
             flash_attention=self.flash_attention,
-            dropout=self._dropout(training),
-            return_scores=return_attention_scores,
+            dropout=self._dropout(call.training),
+            return_scores=call.return_attention_scores,
             heads_major=cache is not None,
             logit_soft_cap=self.logit_soft_cap,
             scale=self.attention_scale,
             segment_ids=None if call.segments is None else (call.segments,) * 2,
         )  # fmt: skip
-        context, scores = result if return_attention_scores else (result, None)
-        return self._outputs(call, context, scores, cache)
+        scores = None
+        if call.return_attention_scores:
+            result, scores = result
+        return self._outputs(call, result, scores, cache)
+
+    def decode_unchecked(
+        self, query, cache, index=None, positions=None, mask=None, calls=None
+    ):
+        """One decoding step of attention over a cache object, unchecked:
+        the twin of `call` for `keras_attn.generation.generate` and callers
+        that checked what they pass (queries of the built width and compute
+        dtype, a cache of this layer's heads).
+
+        With `index`, self-attention: the keys and values of `query`
+        (rotated to `positions`) are written into `cache` at `index`, then
+        attended over; without, `cache` holds another sequence's keys and
+        values (cross-attention, `compute_cache`), and nothing is written.
+
+        Args:
+            query: `(batch, length, width)`, the new tokens.
+            cache: a `keras_attn.cache` object (`DenseCache`, `Int8Cache`,
+                `RollingCache`).
+            index: int32 scalar: the position of the first new token.
+            positions: optional int `(batch, length)` or `(length,)`: the
+                rotary positions of the new tokens (with
+                `rope_max_wavelength`).
+            mask: optional bool `(batch, length, slots)` (or broadcastable):
+                the cache slots each new token sees, as `cache.mask(...)`
+                gives them.
+            calls: how sublayers are called (`SublayerCalls` of a decoding,
+                which binds each once); defaults to `call_sublayer`.
+
+        Returns:
+            `(output (batch, length, output width), cache)`.
+        """
+        calls = calls or call_sublayer
+        q = self._heads(self.query_dense, self.query_norm, query, positions, calls)
+        if index is not None:
+            k = self._heads(self.key_dense, self.key_norm, query, positions, calls)
+            cache = cache.update(k, project(self.value_dense, query, calls), index)
+        keys, values = cache.read(q.dtype)
+        context = attend(
+            q, keys, values,
+            mask=mask,
+            flash_attention=self.flash_attention,
+            heads_major=True,
+            logit_soft_cap=self.logit_soft_cap,
+            scale=self.attention_scale,
+        )  # fmt: skip
+        if self.use_gate:
+            context = context * project(self.gate_dense, query, calls)
+        return calls(self.output_dense, context), cache
 
     def _dropout(self, training):
         """The dropout on the weights, in training with a rate > 0 (`training`
@@ -410,15 +473,12 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
             return None
         return lambda weights: self._attention_dropout(weights, training=True)
 
-    def _checks_calls(self):
-        """Whether this call checks its arguments: not when the block that
-        called it has, nor inside `generate`'s decoding loop."""
-        return not (self._inputs_checked_by_caller or call_checks_skipped())
-
     def _queries_keys_values(self, call):
         """`(queries (B, T, H, D), keys, values, cache)`: projected,
         normalized and rotated; keys and values `(B, S, K, D)`, or heads-major
-        `(B, K, S, D)` from the cache (updated where it is written)."""
+        `(B, K, S, D)` from the cache (updated where it is written): a cache
+        object as it is, a tensor (Keras' form) as a `DenseCache`, written
+        into a new tensor."""
         fold = self._axes.fold  # inputs of rank > 3 become sequences
         query_positions, key_positions = (
             call.rope_positions() if self.rope_max_wavelength else (None, None)
@@ -426,14 +486,19 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         q = self._heads(
             self.query_dense, self.query_norm, fold(call.query), query_positions
         )
-        k, v, cache = self._keys_and_values(
-            fold(call.key),
-            fold(call.value),
-            call.cache,
-            call.cache_update_index,
-            key_positions,
-        )
-        return q, k, v, cache
+        cache, index = call.cache, call.cache_update_index
+        if cache is not None and index is None:  # keys and values precomputed
+            return (q, *_read(cache, q.dtype), cache)
+        key, value = fold(call.key), fold(call.value)
+        k = self._heads(self.key_dense, self.key_norm, key, key_positions)
+        v = project(self.value_dense, value)
+        if cache is None:
+            return q, k, v, None
+        if isinstance(cache, tuple):  # a cache object
+            cache = cache.update(k, v, index)
+        else:
+            cache = written(cache, k, v, index)
+        return (q, *_read(cache, q.dtype), cache)
 
     def _outputs(self, call, context, scores, cache):
         """The output projection (and gate), unfolded; with the scores and the
@@ -449,12 +514,12 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
         outputs += (cache,) if cache is not None else ()
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _heads(self, dense, norm, x, positions):
+    def _heads(self, dense, norm, x, positions, calls=call_sublayer):
         """Queries or keys `(B, T, heads, D)`: projected, RMS-normalized per
         head with `normalize_qk`, then rotated to `positions` with RoPE."""
-        x = project(dense, x)
+        x = project(dense, x, calls)
         if norm is not None:
-            x = call_sublayer(norm, x)
+            x = calls(norm, x)
         if positions is not None:
             x = rotate(
                 x,
@@ -464,6 +529,94 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
                 self.rope_scaling,
             )
         return x
+
+    # --- Caches ---------------------------------------------------------------
+
+    def get_empty_cache(self, batch_size, max_length, dtype=None):
+        """An all-zeros key/value cache for step-by-step self-attention.
+
+        Pass it as `cache` with `cache_update_index` (the position of the first
+        query) and feed back the cache the call returns. Grouped-query attention
+        caches only its `num_key_value_heads`. The layer must be built.
+
+        Args:
+            batch_size: int. Batch size.
+            max_length: int. Number of positions the cache holds.
+            dtype: dtype of the cache. Defaults to the layer's compute dtype.
+                `"int8"` gives a `keras_attn.cache.Int8Cache` (keys and values
+                quantized per token and head, with their scales).
+
+        Returns:
+            Zeros `(batch_size, 2, num_key_value_heads, max_length, key_dim)`:
+            keys at index 0 of axis 1, values at index 1 (keras-hub's cached
+            attention form, heads-major); for `"int8"`, an `Int8Cache`.
+
+        Example:
+        >>> attention = keras_attn.MultiHeadAttention(num_heads=4,
+        ...                                           num_key_value_heads=2)
+        >>> x = np.random.rand(1, 5, 16).astype("float32")
+        >>> full = keras.ops.convert_to_numpy(attention(x, use_causal_mask=True))
+        >>> cache = attention.get_empty_cache(batch_size=1, max_length=5)
+        >>> steps = []
+        >>> for i in range(5):
+        ...     y, cache = attention(x[:, i : i + 1], use_causal_mask=True,
+        ...                          cache=cache, cache_update_index=i)
+        ...     steps.append(keras.ops.convert_to_numpy(y))
+        >>> bool(np.allclose(np.concatenate(steps, axis=1), full, atol=1e-5))
+        True
+        """
+        check_cacheable(self)
+        check_size("batch_size", batch_size, minimum=1)
+        check_positive_int("max_length", max_length)
+        dtype = dtype or self.compute_dtype
+        cache = empty_cache(
+            batch_size, self._kv_heads, max_length, self._head_dim, dtype
+        )
+        return cache.kv if isinstance(cache, DenseCache) else cache
+
+    def compute_cache(self, value, key=None):
+        """Project `value` (and `key`) once into a key/value cache.
+
+        For cross-attention, where the keys and values (the encoder output) do
+        not change while a decoder generates: pass the result as `cache` with no
+        `cache_update_index` at every step. The layer must be built.
+
+        Args:
+            value: float tensor `(batch, length, value_width)`.
+            key: optional float tensor `(batch, length, key_width)`. Defaults to
+                `value`.
+
+        Returns:
+            Tensor `(batch, 2, num_key_value_heads, length, key_dim)`: keys at
+            index 0 of axis 1, values at index 1 (heads-major, so a step reads
+            each head's keys contiguously).
+
+        Example:
+        >>> attention = keras_attn.MultiHeadAttention(num_heads=2)
+        >>> query, memory = np.ones((1, 3, 8)), np.ones((1, 6, 8))
+        >>> _ = attention(query, memory)
+        >>> cache = attention.compute_cache(memory)
+        >>> tuple(cache.shape)
+        (1, 2, 2, 6, 4)
+        """
+        check_cacheable(self)
+        value = ops.cast(value, self.compute_dtype)
+        key = value if key is None else ops.cast(key, self.compute_dtype)
+        for name, tensor in (("value", value), ("key", key)):
+            check_rank(name, tensor.shape, 3, "(batch, length, width)")
+            check_width(name, tensor.shape, self._widths[name])
+        return self.compute_cache_unchecked(value, key)
+
+    def compute_cache_unchecked(self, value, key=None, calls=None):
+        """`compute_cache` of inputs the caller checked, of the compute dtype."""
+        calls = calls or call_sublayer
+        key = value if key is None else key
+        positions = None  # the keys of another sequence sit at 0, 1, ...
+        if self.rope_max_wavelength is not None:
+            positions = ops.arange(0, ops.shape(key)[1], dtype="int32")
+        k = self._heads(self.key_dense, self.key_norm, key, positions, calls)
+        v = project(self.value_dense, value, calls)
+        return ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
 
     # --- Keras machinery ------------------------------------------------------
 
@@ -507,19 +660,19 @@ class MultiHeadAttention(ConfigCheck, KeyValueCache, keras.layers.Layer):
 
     def compute_output_spec(self, *args, **kwargs):
         call = AttentionCall(*args, **kwargs)  # the arguments of `call`
-        if self.built and self._checks_calls():
+        if self.built:
             check_call(self, call)
         query, key, cache = call.query, call.key, call.cache
         dtype = self.compute_dtype
         shape = self.compute_output_shape(query.shape, call.value.shape, key.shape)
         outputs = (keras.KerasTensor(shape, dtype=dtype),)
         if call.return_attention_scores:
-            key_shape = key.shape if cache is None else (*key.shape[:1], cache.shape[3])
+            key_shape = key.shape if cache is None else (key.shape[0], length(cache))
             axes = AttentionAxes(self.attention_axes, len(query.shape))
             scores = axes.scores_shape(query.shape, key_shape, self.num_heads)
             outputs += (keras.KerasTensor(scores, dtype=dtype),)
-        if cache is not None:
-            outputs += (keras.KerasTensor(cache.shape, dtype=cache.dtype),)
+        if cache is not None:  # a tensor, or a cache object of tensors
+            outputs += (keras.tree.map_structure(_spec, cache),)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def get_config(self):
@@ -549,3 +702,13 @@ _KERAS_OBJECTS = (
     "kernel_constraint",
     "bias_constraint",
 )
+
+
+def _spec(tensor):
+    return keras.KerasTensor(tensor.shape, dtype=tensor.dtype)
+
+
+def _read(cache, dtype):
+    """A cache's keys and values `(B, K, S, D)` in `dtype`: a cache object's
+    own, or a tensor's (Keras' form)."""
+    return (cache if isinstance(cache, tuple) else DenseCache(cache)).read(dtype)

@@ -5,7 +5,6 @@ import numpy as np
 from keras import ops
 
 from keras_attn._checks import (
-    call_checks_skipped,
     check_float,
     check_positive_int,
     check_rank,
@@ -68,8 +67,13 @@ class PositionEmbedding(ConfigCheck, keras.layers.Layer):
         )
 
     def call(self, inputs, start_index=0):
-        if not call_checks_skipped():
-            self._check_call(inputs, start_index)
+        self._check_call(inputs, start_index)
+        return self.call_unchecked(inputs, start_index)
+
+    def call_unchecked(self, inputs, start_index=0):
+        """`call` without its checks, for a caller that checked its arguments
+        (`keras_attn.generation.generate`, whose steps read no value back to
+        the host)."""
         positions = position_ids(ops.shape(inputs)[1], start_index)  # (T,)|(B, T)
         positions = ops.maximum(positions, 0)
         table = ops.cast(self.embeddings, inputs.dtype)

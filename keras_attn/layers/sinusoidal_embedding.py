@@ -7,7 +7,6 @@ import numpy as np
 from keras import ops
 
 from keras_attn._checks import (
-    call_checks_skipped,
     check_bool,
     check_float,
     check_positive_float,
@@ -26,7 +25,7 @@ from keras_attn.layers._machinery import (
     enable_lora,
     leaf_dtype,
 )
-from keras_attn.ops.positions import sinusoids
+from keras_attn.ops.positions import position_ids, sinusoids
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -191,29 +190,51 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
         return shape[-1]
 
     def call(self, inputs, start_index=0):
-        if not call_checks_skipped():
-            self._check_call(inputs, start_index)
-            if self.vocabulary_size is not None:
-                self._check_token_ids(inputs)
+        self._check_call(inputs, start_index)
+        if self.vocabulary_size is not None:
+            self._check_token_ids(inputs)
+        return self.call_unchecked(inputs, start_index)
+
+    def call_unchecked(self, inputs, start_index=0, table=None, calls=None):
+        """`call` without its checks, for a caller that checked its
+        arguments (`keras_attn.generation.generate`: the prompt once, its
+        own tokens after).
+
+        `table`: the positions' encodings `position_table(length)`, made
+        once for a decoding's steps, whose rows are gathered rather than
+        computed again (the same numbers); `calls`: how the token table is
+        called (a decoding's `SublayerCalls`; by default `call_sublayer`).
+        """
         if self.vocabulary_size is None:
             x = inputs
         else:
-            x = call_sublayer(self.token_embedding, inputs)  # (B, ..., T, D)
+            x = (calls or call_sublayer)(self.token_embedding, inputs)  # (B, ..., T, D)
             if self.scale_embeddings:
                 x = x * ops.convert_to_tensor(self.embedding_dim**0.5, x.dtype)
         length = ops.shape(x)[-2]
-        positions = sinusoids(
-            length,
-            self._width,
-            max_wavelength=self.max_wavelength,
-            start_index=start_index,
-            dtype=self.compute_dtype,
-        )  # (T, D), or (B, T, D) with one start per sequence
+        if table is None:
+            positions = sinusoids(
+                length,
+                self._width,
+                max_wavelength=self.max_wavelength,
+                start_index=start_index,
+                dtype=self.compute_dtype,
+            )  # (T, D), or (B, T, D) with one start per sequence
+        else:
+            positions = ops.take(table, position_ids(length, start_index), axis=0)
         if len(positions.shape) == 3:  # (B, 1, ..., T, D) for inputs of rank > 3
             positions = ops.reshape(
                 positions, (-1, *[1] * (len(x.shape) - 3), *ops.shape(positions)[1:])
             )
         return x + positions
+
+    def position_table(self, length):
+        """The encodings of positions `0, ..., length - 1`, `(length,
+        width)` in the compute dtype: `call_unchecked`'s `table`."""
+        return sinusoids(
+            length, self._width, max_wavelength=self.max_wavelength,
+            dtype=self.compute_dtype,
+        )  # fmt: skip
 
     def _check_call(self, inputs, start_index):
         self._check_shape(inputs.shape)

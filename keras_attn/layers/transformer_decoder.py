@@ -2,10 +2,10 @@
 
 import keras
 
-from keras_attn._checks import call_checks_skipped
 from keras_attn.layers._block import TransformerBlock, to_bool
 from keras_attn.layers._decoder_call import DecoderCall, check_decoder_call
 from keras_attn.layers._docs import shared_docs
+from keras_attn.layers._lean_call import call_sublayer
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
@@ -172,12 +172,11 @@ class TransformerDecoder(TransformerBlock):
             decoder_attention_bias, encoder_attention_bias, positions,
             segment_ids, mask, decoder_sequence_mask, encoder_sequence_mask,
         )  # fmt: skip
-        if not call_checks_skipped():
-            check_decoder_call(self, args)
+        check_decoder_call(self, args)
         x, self_scores, self_attention_cache = self._attention_residual(
             decoder_sequence,
             self.self_attention,
-            (self.self_attention_layer_norm, self.self_attention_output_norm),
+            self._norms("self_attention"),
             training,
             return_attention_scores,
             value_mask=to_bool(args.decoder_padding),
@@ -204,14 +203,14 @@ class TransformerDecoder(TransformerBlock):
         """Cross-attention into the encoder sequence, or into its cache."""
         cache = args.cross_attention_cache
         if args.self_attention_cache is not None and cache is None:
-            cache = self.cross_attention._project_cache(args.encoder_sequence)
+            cache = self.cross_attention.compute_cache_unchecked(args.encoder_sequence)
         precomputed = (
             cache is not None and args.cross_attention_cache_update_index is None
         )
         return self._attention_residual(
             x,
             self.cross_attention,
-            (self.cross_attention_layer_norm, self.cross_attention_output_norm),
+            self._norms("cross_attention"),
             args.training,
             args.return_attention_scores,
             value=None if precomputed else args.encoder_sequence,
@@ -222,17 +221,79 @@ class TransformerDecoder(TransformerBlock):
             cache_update_index=args.cross_attention_cache_update_index,
         )
 
+    def decode_unchecked(
+        self,
+        decoder_sequence,
+        cache,
+        index,
+        positions=None,
+        mask=None,
+        cross_cache=None,
+        cross_mask=None,
+        calls=None,
+    ):
+        """One decoding step of the block over its caches, unchecked: the
+        twin of `call` with a self-attention cache, for
+        `keras_attn.generation.generate` and callers that checked what they
+        pass (see `MultiHeadAttention.decode_unchecked`). No dropout.
+
+        Args:
+            decoder_sequence: `(batch, length, width)`, the new tokens, at
+                positions `index, ..., index + length - 1`.
+            cache: the self-attention cache, a `keras_attn.cache` object.
+            index: int32 scalar, the position of the first new token.
+            positions: optional int `(batch, length)`: the new tokens'
+                rotary positions (with `rope_max_wavelength`).
+            mask: bool `(batch, length, slots)` (or broadcastable): the
+                self-attention cache slots each new token sees
+                (`cache.mask(...)`).
+            cross_cache: with cross-attention, the encoder output's keys and
+                values (`DenseCache(compute_cross_attention_cache(...))`).
+            cross_mask: optional bool `(batch, 1, source_length)`: the
+                source positions that may be attended to.
+            calls: how sublayers are called; see
+                `MultiHeadAttention.decode_unchecked`.
+
+        Returns:
+            `(output (batch, length, width), cache)`.
+        """
+        calls = calls or call_sublayer
+        x, norms = decoder_sequence, self._norms("self_attention")
+        hidden = calls(norms[0], x) if self.normalize_first else x
+        branch, cache = self.self_attention.decode_unchecked(
+            hidden, cache, index, positions, mask, calls
+        )
+        x = self._add_residual(x, branch, norms, False, calls)
+        if self._has_cross_attention:
+            norms = self._norms("cross_attention")
+            hidden = calls(norms[0], x) if self.normalize_first else x
+            branch, _ = self.cross_attention.decode_unchecked(
+                hidden, cross_cache, mask=cross_mask, calls=calls
+            )
+            x = self._add_residual(x, branch, norms, False, calls)
+        return self._feedforward_residual(x, False, calls), cache
+
+    def _norms(self, sublayer):
+        """`(layer norm, output norm or None)` of `"self_attention"` or
+        `"cross_attention"`."""
+        return (
+            getattr(self, f"{sublayer}_layer_norm"),
+            getattr(self, f"{sublayer}_output_norm"),
+        )
+
     def get_empty_self_attention_cache(self, batch_size, max_length, dtype=None):
         """An all-zeros self-attention cache for step-by-step decoding.
 
         Args:
             batch_size: int. Batch size.
             max_length: int. Number of positions the cache holds.
-            dtype: dtype of the cache. Defaults to the compute dtype.
+            dtype: dtype of the cache. Defaults to the compute dtype;
+                `"int8"` gives a `keras_attn.cache.Int8Cache`.
 
         Returns:
-            Zeros `(batch_size, 2, num_key_value_heads, max_length, key_dim)`;
-            see `keras_attn.MultiHeadAttention.get_empty_cache`.
+            Zeros `(batch_size, 2, num_key_value_heads, max_length, key_dim)`
+            (or an `Int8Cache`); see
+            `keras_attn.MultiHeadAttention.get_empty_cache`.
 
         Example:
         >>> decoder = keras_attn.TransformerDecoder(intermediate_dim=32, num_heads=2)

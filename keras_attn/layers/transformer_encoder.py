@@ -3,7 +3,6 @@
 import keras
 
 from keras_attn._checks import (
-    call_checks_skipped,
     check_broadcastable,
     check_mask,
     check_segment_ids_call,
@@ -102,15 +101,14 @@ class TransformerEncoder(TransformerBlock):
         mask=None,
         inputs_mask=None,
     ):
-        if not call_checks_skipped():
-            self._check_call(
-                inputs,
-                padding_mask=padding_mask,
-                attention_mask=attention_mask,
-                attention_bias=attention_bias,
-                return_attention_scores=return_attention_scores,
-                segment_ids=segment_ids,
-            )
+        self._check_call(
+            inputs,
+            padding_mask=padding_mask,
+            attention_mask=attention_mask,
+            attention_bias=attention_bias,
+            return_attention_scores=return_attention_scores,
+            segment_ids=segment_ids,
+        )
         padding_mask = to_bool(first_mask(padding_mask, inputs_mask, mask))
         x, scores, _ = self._attention_residual(
             inputs,

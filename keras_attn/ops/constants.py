@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 if keras.config.backend() == "torch":
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 else:
     torch_eager = None
 

@@ -1,6 +1,8 @@
-"""The dtypes attention computes in: logits and softmax at least in float32."""
+"""The dtypes attention computes in: logits and softmax at least in float32;
+positions and indices in int32."""
 
 import keras
+from keras import ops
 
 
 def at_least_float32(dtype):
@@ -8,3 +10,20 @@ def at_least_float32(dtype):
     return (
         "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
     )
+
+
+def cast_to(x, dtype):
+    """`x` in `dtype`: itself where it is already (a no-op cast still costs
+    an op on PyTorch's eager steps)."""
+    if keras.backend.standardize_dtype(x.dtype) == keras.backend.standardize_dtype(
+        dtype
+    ):
+        return x
+    return ops.cast(x, dtype)
+
+
+def int32(index):
+    """An index (a Python int, or an int tensor) as int32: TensorFlow compares
+    no int32 positions with an int64 index and takes start indices of one
+    dtype."""
+    return index if isinstance(index, int) else cast_to(index, "int32")

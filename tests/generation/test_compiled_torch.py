@@ -47,15 +47,18 @@ def test_an_eager_torch_step_writes_its_caches_in_place():
 
     from keras_attn.generation.adapter import ModelAdapter
     from keras_attn.generation.graph import GraphPlan
+    from keras_attn.layers._lean_call import SublayerCalls
 
     adapter = ModelAdapter(GraphPlan(decoder_only_model(VOCAB, WIDTH)), 8)
+    calls = SublayerCalls()
     with torch.no_grad():
         pads = torch.zeros(2, dtype=torch.int32)
-        _, state = adapter.prefill(torch.tensor(PROMPTS), pads, [], 8)
-        caches = list(state["caches"])
+        _, state = adapter.prefill(torch.tensor(PROMPTS), pads, [], 8, calls)
+        caches = [cache.kv for cache in state["caches"]]
         token, index = torch.tensor([1, 2]), torch.tensor(4, dtype=torch.int32)
-        _, state = adapter.step(token, index, state)
-    assert all(a is b for a, b in zip(state["caches"], caches, strict=True))
+        _, state = adapter.step(token, index, state, calls)
+    kept = [cache.kv for cache in state["caches"]]
+    assert all(a is b for a, b in zip(kept, caches, strict=True))
     assert all(bool(c[:, :, :, 4].any()) for c in caches)
 
 

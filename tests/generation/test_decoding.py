@@ -204,11 +204,13 @@ def test_a_sliding_window_decoder_caches_only_its_window(monkeypatch):
     lengths = {decoder.name: set() for decoder in decoders}
     for decoder in decoders:
 
-        def spy(*args, _call=decoder.call, _name=decoder.name, **kwargs):
-            lengths[_name].add(kwargs["self_attention_cache"].shape[3])
-            return _call(*args, **kwargs)
+        def spy(
+            x, cache, *args, _call=decoder.decode_unchecked, _name=decoder.name, **kw
+        ):
+            lengths[_name].add(cache.length)
+            return _call(x, cache, *args, **kw)
 
-        monkeypatch.setattr(decoder, "call", spy)
+        monkeypatch.setattr(decoder, "decode_unchecked", spy)
     tokens = generate(model, np.array([[3, 4, 5, 6]]), max_length=150)
     windowed, full = (lengths[d.name] for d in decoders)
     assert windowed == {64, 3} and full == {64, 128, 150}  # 64: the prompt's
@@ -266,11 +268,11 @@ def test_attention_sinks_generate_past_the_window_as_the_full_recompute(
     model = keras.Model(ids, keras.layers.Dense(VOCAB)(decoder(x)))
     lengths = set()  # of the caches the decoder gets
 
-    def spy(*args, _call=decoder.call, **kwargs):
-        lengths.add(kwargs["self_attention_cache"].shape[3])
-        return _call(*args, **kwargs)
+    def spy(x, cache, *args, _call=decoder.decode_unchecked, **kwargs):
+        lengths.add(cache.length)
+        return _call(x, cache, *args, **kwargs)
 
-    monkeypatch.setattr(decoder, "call", spy)
+    monkeypatch.setattr(decoder, "decode_unchecked", spy)
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10]]
     padded = np.zeros((3, 5), "int32")
     for row, prompt in zip(padded, prompts, strict=True):
@@ -350,8 +352,9 @@ def test_decoding_steps_read_nothing_back_to_the_host(monkeypatch, embedding):
 @pytest.mark.skipif(BACKEND != "torch", reason="Keras' own calls as torch calls")
 def test_the_head_runs_as_torch_calls_with_keras_numbers(gpt, monkeypatch):
     """On PyTorch the head's `LayerNormalization` and `Dense` run as the
-    torch calls of their `call` (`direct_call`), not through `__call__`:
-    the same tokens and scores as with every head layer called."""
+    torch calls of their `call` (bound once a decoding: `SublayerCalls`),
+    not through `__call__`: the same tokens and scores as with every
+    sublayer called through `__call__`."""
     head = gpt.layers[-2:]  # LayerNormalization, Dense
     prompts = np.array([[0, 3, 4, 5], [6, 7, 8, 9]])
     called, layer_call = [], keras.layers.Layer.__call__
@@ -363,9 +366,7 @@ def test_the_head_runs_as_torch_calls_with_keras_numbers(gpt, monkeypatch):
     monkeypatch.setattr(keras.layers.Layer, "__call__", spy)
     tokens, scores = generate(gpt, prompts, 6, return_scores=True)
     assert not any(layer in called for layer in head)
-    monkeypatch.setattr(
-        "keras_attn.generation.adapter.direct_call", lambda layer, x: None
-    )
+    monkeypatch.setattr("keras_attn.layers._lean_call._state_kept", lambda layer: False)
     expected = generate(gpt, prompts, 6, return_scores=True)
     np.testing.assert_array_equal(to_numpy(tokens), to_numpy(expected[0]))
     np.testing.assert_array_equal(to_numpy(scores), to_numpy(expected[1]))

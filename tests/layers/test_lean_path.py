@@ -166,7 +166,7 @@ def test_training_reaches_the_dropouts_on_the_lean_path(lean_calls):
 @pytest.fixture
 def torch_calls(monkeypatch):
     """`{torch_eager function: calls that gave a result}` (PyTorch only)."""
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 
     calls = {}
 

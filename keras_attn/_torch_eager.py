@@ -1,5 +1,10 @@
 """Keras' projection and normalization ops on PyTorch tensors, each as the
-one torch call Keras' op makes, without Keras' per-op dispatch.
+one torch call Keras' op makes, without Keras' per-op dispatch; and the
+in-place writes of the key/value caches.
+
+Ground floor, as `_checks`: it imports nothing of ours, and only modules that
+run on PyTorch import it (`ops/constants.py`, `layers/_lean_call.py`, the
+caches, generation's compiled step).
 
 On PyTorch's eager steps Python bounds a small block, and a `keras.ops`
 call costs several times the torch call it makes: `keras.ops.einsum`
@@ -17,7 +22,10 @@ dtype cases where Keras' op makes exactly that call (Keras 3.15.1,
 - `layer_norm` over the last axis, `rms_norm` over the last axis: the input
   taken to float32 and the weights to its dtype, then cast back, as Keras
   does;
-- `constant`: Python numbers as a tensor (`keras_attn.ops.constants`).
+- `constant`: Python numbers as a tensor (`keras_attn.ops.constants`);
+- `write_slots`: a cache's new keys and values copied into its tensor in
+  place, as gpt-fast's and Hugging Face's static caches are written (Keras'
+  `slice_update` returns a copy of the whole cache).
 
 Keras 3.15's dtype rules read `torch.float64` as float32 (its matmul, add and
 norms compute float64 tensors in float32), so float64 is left to Keras' ops.
@@ -33,7 +41,7 @@ step). Other equations, shapes that torch's einsum refuses, and inputs that
 torch's matmul would take as a batched product go to Keras' torch call.
 
 The numbers are Keras' own on a CPU, bit for bit at a block's shapes
-(`tests/ops/test_torch_eager.py`, `tests/layers/test_lean_path.py`), a
+(`tests/test_torch_eager.py`, `tests/layers/test_lean_path.py`), a
 `Dense` matmul at every shape. At some small shapes torch's einsum takes a
 batched kernel whose sums round an ulp apart from the matmul's (in a sweep,
 a few with a contracted size of 32 or less, none from 64). On a GPU torch
@@ -187,3 +195,29 @@ def _as(x, dtype):
     """`x` in `dtype` (`None` stays): Keras' casts, without the no-op ones
     (an `aten::to` each on eager PyTorch)."""
     return x if x is None or x.dtype == dtype else x.to(dtype)
+
+
+def write_slots(buffer, first, second, index):
+    """`first` and `second` `(B, n, K, X)` copied into `buffer`
+    `(B, 2, K, S, X)` at slots `index, ..., index + n - 1` of axis 3 (the
+    first at `buffer[:, 0]`), in place, through views of the buffer (no
+    stacked, transposed copy of the update); returns `buffer`."""
+    slots = slot_positions(index, first.shape[1], buffer.device)
+    for i, update in enumerate((first, second)):
+        buffer[:, i].transpose(1, 2).index_copy_(1, slots, update)  # (B, S, K, X)
+    return buffer
+
+
+def write_in_place(buffer, update, index, axis=1):
+    """`update` copied into `buffer` at positions `index, ..., index + n - 1`
+    of `axis` (`n`: the update's size there), in place; returns `buffer`."""
+    slots = slot_positions(index, update.shape[axis], buffer.device)
+    return buffer.index_copy_(axis, slots, update)
+
+
+def slot_positions(index, count, device):
+    """int64 `(count,)`: `index, ..., index + count - 1`. They stay a tensor:
+    nothing is read back to the host (a CUDA graph replays no host value)."""
+    if count == 1 and isinstance(index, torch.Tensor):  # a step: no `arange`
+        return index.reshape(1).long()
+    return index + torch.arange(count, device=device)  # int32 + int64: int64

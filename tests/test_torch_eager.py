@@ -1,5 +1,5 @@
 """Keras' projection and norm ops as the torch calls they make
-(keras_attn/ops/kernels/torch_eager.py), against `keras.ops` itself."""
+(keras_attn/_torch_eager.py), against `keras.ops` itself."""
 
 import keras
 import numpy as np
@@ -27,7 +27,7 @@ EQUATIONS = [  # (equation, input shape, kernel shape, as one matmul)
 def test_projection_gives_keras_einsum_bit_for_bit(
     equation, x_shape, kernel_shape, matmul, dtype
 ):
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 
     assert (torch_eager._matmul_form(equation) is not None) == matmul
     x = keras.ops.cast(random_floats(*x_shape, seed=1), dtype)
@@ -42,7 +42,7 @@ def test_projection_gives_keras_einsum_bit_for_bit(
 def test_what_keras_would_cast_is_left_to_it():
     """Mixed dtypes, float64 (Keras 3.15 computes it in float32), integers
     and a float16 matmul (Keras computes it in float32 on a CPU): `None`."""
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 
     x, kernel = random_floats(2, 3), random_floats(3, 4)
 
@@ -72,7 +72,7 @@ def test_shapes_torch_einsum_refuses_still_raise(equation, x_shape, kernel_shape
     einsum raises, and so does the projection."""
     import torch
 
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 
     x, kernel = random_floats(*x_shape), random_floats(*kernel_shape)
     with pytest.raises(RuntimeError):
@@ -108,7 +108,7 @@ def test_products_of_strided_inputs_give_keras_numbers_and_gradients(
     product), give Keras' op's outputs and gradients bit for bit."""
     import torch
 
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 
     def run(product):
         x = torch.tensor(random_floats(*x_shape, seed=1), requires_grad=True)
@@ -137,7 +137,7 @@ def test_constants_are_keras_tensors_made_without_walking_the_list(monkeypatch):
     import torch
 
     import keras_attn
-    from keras_attn.ops.kernels import torch_eager
+    from keras_attn import _torch_eager as torch_eager
 
     like = torch.zeros(1)
     floats = [10000.0 ** -(c / 7) for c in range(7)]
