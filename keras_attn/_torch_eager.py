@@ -178,6 +178,15 @@ def rms_norm(x, scale, epsilon):
     return _as(functional.rms_norm(y, y.shape[-1:], scale, epsilon), x.dtype)
 
 
+def embedding(ids, table, dtype):
+    """`keras.ops.take(table, ids, axis=0)` in `dtype` (a Keras dtype name):
+    the lookup Keras' `Embedding.call` makes, negative ids counted from the
+    end as Keras' `take` counts them."""
+    ids = ids.long()
+    ids = torch.where(ids < 0, ids + table.shape[0], ids)
+    return _as(functional.embedding(ids, table), getattr(torch, dtype))
+
+
 def constant(values, dtype, like):
     """`torch.as_tensor(values)` in `dtype` (a Keras dtype name) on the
     device of `like`: the call Keras' `convert_to_tensor(values, dtype)`

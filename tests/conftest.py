@@ -115,3 +115,12 @@ def cuda_graphs(monkeypatch):
     from tests.helpers.doubles import hold_compiled_steps_to_cuda_graphs
 
     return hold_compiled_steps_to_cuda_graphs(monkeypatch)
+
+
+@pytest.fixture
+def captured_graphs(monkeypatch):
+    """`generate`'s PyTorch steps taken to a GPU's CUDA graph capture, held on
+    a CPU to its rules (`tests/helpers/doubles.py`); the graphs made."""
+    from tests.helpers.doubles import hold_capture_to_cuda_graphs
+
+    return hold_capture_to_cuda_graphs(monkeypatch)

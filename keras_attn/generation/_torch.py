@@ -1,4 +1,5 @@
-"""The decoding step compiled on PyTorch: `torch.export`, then TorchInductor.
+"""The decoding step compiled on PyTorch: `torch.export`, then TorchInductor
+(`compile_step`) or a CUDA graph of the exported step (`capture_step`).
 
 The one place `generate` imports a backend module: Keras has no public way to
 compile a function on PyTorch but `Model.compile(jit_compile=True)`, whose
@@ -7,8 +8,11 @@ graph breaks) and runs slower than eager. `torch.export(strict=False)` runs
 the step's Python once and keeps only the tensor operations: one graph, with
 the layers' weights as parameters (the same tensors, so later weight updates
 are seen). Inductor then compiles it: to C++ on a CPU, to Triton kernels
-replayed as a CUDA graph on a GPU. The step takes and returns a flat tuple of
-tensors, so a call checks no nested structure.
+replayed as a CUDA graph on a GPU. Or, on a GPU, the exported step is
+captured as it is into one `torch.cuda.CUDAGraph`, with no Inductor compile:
+the export takes seconds, and each step after it is one graph launch. The
+step takes and returns a flat tuple of tensors, so a call checks no nested
+structure.
 
 As in gpt-fast and Hugging Face's static cache, the key/value caches are
 written in place (`keras_attn.cache`): a step copies one position per layer
@@ -89,6 +93,11 @@ def replays_cuda_graphs(device):
     return device.type == "cuda"
 
 
+def device_type(state):
+    """`"cuda"`, `"cpu"`, ...: where the state's tensors are."""
+    return pytree.tree_leaves(state)[0].device.type
+
+
 def compile_step(function, layers, state, numbers):
     """`function(state, numbers) -> state`, exported for these shapes and
     compiled; `layers` hold the weights it reads.
@@ -107,16 +116,10 @@ def compile_step(function, layers, state, numbers):
       into the graph's own memory at every replay. So the kept leaves live
       in `_StaticLeaves`, marked static.
     """
-    kept = _Kept(state)
-    module = _FlatStep(function, layers, state, numbers, kept.found)
-    leaves = _contiguous(pytree.tree_leaves((state, numbers)))
-    with torch.no_grad():
-        exported = torch.export.export(module, tuple(leaves), strict=False)
+    kept, exported, leaves = _export(function, layers, state, numbers)
     device = leaves[0].device
     static = _StaticLeaves(leaves, kept.kept) if replays_cuda_graphs(device) else None
-    compiled = torch.compile(
-        exported.module(), dynamic=False, options=inductor_options(device)
-    )
+    compiled = torch.compile(exported, dynamic=False, options=inductor_options(device))
 
     def step(state, numbers):
         leaves = _contiguous(pytree.tree_leaves((state, numbers)))
@@ -130,6 +133,84 @@ def compile_step(function, layers, state, numbers):
         return kept.state(leaves, returned)
 
     return step
+
+
+def capture_step(function, layers, state, numbers):
+    """`function(state, numbers) -> state`, exported for these shapes and
+    captured as one CUDA graph (`torch.cuda.CUDAGraph`): no Inductor
+    compile, a replay a step.
+
+    The rules of a captured graph, held on a CPU by `tests/helpers/doubles.py`
+    (`CudaGraphCapture`), from PyTorch's "CUDA Graphs" notes and NVIDIA's
+    checklist (docs.nvidia.com/dl-cuda-graph, "Quick Checklist"):
+
+    - No host-device synchronization while capturing (`.item()`, a read back
+      to the host) and no tensor made on the device from Python data: the
+      exported step has neither (its constants are made once, at export).
+    - A replay reads and writes the memory it was captured with: every input
+      has a buffer of its own (`_CapturedGraph.inputs`), into which each
+      step's leaves are copied unless they are those buffers already (the
+      caches, written in place, stay there for good).
+    - A replay writes its outputs into the memory of the previous replay's:
+      they are the next step's inputs, copied into the input buffers before
+      the next replay; `generate` copies its results off them.
+    """
+    kept, exported, leaves = _export(function, layers, state, numbers)
+    graph = _CapturedGraph(exported, leaves)
+
+    def step(state, numbers):
+        leaves = _contiguous(pytree.tree_leaves((state, numbers)))
+        return kept.state(graph.inputs, graph(leaves))
+
+    return step
+
+
+def _export(function, layers, state, numbers):
+    """`(kept, exported module, leaves)`: the step exported for the shapes of
+    `(state, numbers)`, whose contiguous leaves it takes."""
+    kept = _Kept(state)
+    module = _FlatStep(function, layers, state, numbers, kept.found)
+    leaves = _contiguous(pytree.tree_leaves((state, numbers)))
+    with torch.no_grad():
+        exported = torch.export.export(module, tuple(leaves), strict=False)
+    return kept, exported.module(), leaves
+
+
+class _CapturedGraph:
+    """An exported step captured once as a CUDA graph, replayed per call.
+
+    Captured as PyTorch's notes on whole-network capture do it: a few
+    warm-up calls on a side stream (the step writes the same values again
+    at the same index), then the capture (`capture`), whose kernels do not
+    run; each call then copies its leaves into the captured inputs and
+    replays.
+    """
+
+    def __init__(self, module, leaves, warmups=2):
+        self.inputs = [leaf.clone() for leaf in leaves]  # at fixed addresses
+        self.graph, self.outputs = capture(module, self.inputs, warmups)
+
+    def __call__(self, leaves):
+        for buffer, leaf in zip(self.inputs, leaves, strict=True):
+            if leaf is not buffer:
+                buffer.copy_(leaf)
+        self.graph.replay()
+        return self.outputs
+
+
+def capture(module, inputs, warmups):
+    """`(graph, outputs)`: `module(*inputs)` captured as a
+    `torch.cuda.CUDAGraph` after `warmups` calls on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(warmups):
+            module(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        outputs = module(*inputs)
+    return graph, outputs
 
 
 def _contiguous(leaves):

@@ -145,17 +145,20 @@ def generate(
             only at the end.
 
         jit_compile: `"auto"`, `True` or `False`, keyword only. Whether the
-            loop is compiled: on JAX and TensorFlow, a `while_loop` per cache
-            segment (`"auto"`: yes); on PyTorch, the step, once per shape,
-            through `torch.export` and TorchInductor, with the key/value
-            caches written in place and (on a GPU) replayed as a CUDA graph
-            (`"auto"`: no, as Keras' own `jit_compile="auto"` on PyTorch). On
-            PyTorch the first call of each setting, prompt width, length and
-            batch size compiles for seconds (on a 2-core CPU, 248 new tokens
-            of a small model: 29 s with Inductor's cache cold, about 11 s
-            warm, against 1.5 s eagerly) and later calls decode about 8x
-            faster than eager: it pays off for repeated calls. `False` runs
-            the step eagerly from a Python loop everywhere (for debugging).
+            loop is compiled. On JAX and TensorFlow: a `while_loop` per cache
+            segment (`"auto"`: yes). On PyTorch the step, once per shape
+            (batch size, prompt width, length, settings): `True` exports it
+            (`torch.export`) and compiles it with TorchInductor (on a GPU,
+            replayed as CUDA graphs), the caches written in place; its first
+            call compiles for seconds (`benchmarks/results/compile_time.md`).
+            `"auto"` chooses by measurement (`keras_attn/generation/tiers.py`):
+            eager steps, timed, until the eager time a shape has cost over
+            every call, with what the call's remaining steps would cost,
+            reaches what a compile costs on this machine; then, in the
+            middle of a call if need be, the step is exported and captured
+            as one CUDA graph on a GPU (no Inductor: seconds) or compiled by
+            Inductor on a CPU, and stays so for its shape. `False` runs the
+            step eagerly from a Python loop everywhere (for debugging).
             Compiled loops are kept per model, settings, prompt width, length
             and (on PyTorch) batch size.
         cache_dtype: `None`, `"int8"` or a float dtype name, keyword only.
@@ -312,8 +315,8 @@ def _jit_compile(jit_compile):
             "`jit_compile` must be 'auto', True or False. "
             f"Received: jit_compile={jit_compile!r}."
         )
-    if jit_compile == "auto":
-        return keras.config.backend() != "torch"
+    if jit_compile == "auto" and keras.config.backend() != "torch":
+        return True  # a compiled `while_loop`: PyTorch chooses by measurement
     return jit_compile
 
 

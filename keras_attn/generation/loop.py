@@ -4,7 +4,6 @@ PyTorch, a Python loop over one step, compiled once per shape)."""
 
 import contextlib
 import functools
-import threading
 
 import keras
 import numpy as np
@@ -13,6 +12,7 @@ from keras import ops
 from keras_attn.generation import processors, strategies
 from keras_attn.generation.adapter import FunctionAdapter, pad_to
 from keras_attn.generation.settings import NUMBERS
+from keras_attn.generation.tiers import StepForms
 from keras_attn.layers._lean_call import SublayerCalls
 from keras_attn.ops.constants import constant
 
@@ -40,7 +40,8 @@ class Generator(keras.Model):
         self.decoding_layers = adapter.layers
         self.traces = 0
         torch = keras.config.backend() == "torch"
-        self.compiled_steps = {} if jit_compile and torch else None  # by shape
+        # PyTorch's compiled steps, by shape (`jit_compile` True or "auto").
+        self.forms = StepForms(jit_compile) if jit_compile and torch else None
         # PyTorch writes each step's tokens (and scores) into the loop's own
         # buffers in place, as the caches (`_torch.write_in_place`): Keras'
         # `slice_update` there clones the buffer and builds a meshgrid.
@@ -49,8 +50,7 @@ class Generator(keras.Model):
             from keras_attn import _torch_eager
 
             self.write_in_place = _torch_eager.write_in_place
-        self._holding = threading.Lock()
-        self.compile(jit_compile=jit_compile and not torch)
+        self.compile(jit_compile=bool(jit_compile) and not torch)
         self.built = True
 
     def call(self, inputs):
@@ -64,7 +64,7 @@ class Generator(keras.Model):
         tokens `(batch,)`, from a Python loop (so not inside `predict`).
         """
         segments = _segments(self.width + 1, self.length)
-        if isinstance(self.adapter, FunctionAdapter) or self.compiled_steps is not None:
+        if isinstance(self.adapter, FunctionAdapter) or self.forms is not None:
             segments = [self.length]  # PyTorch: one compile per `generate` shape
         sources = numbered(inputs, "encoder_")
         pads = ops.cast(inputs["pads"], "int32")
@@ -82,7 +82,7 @@ class Generator(keras.Model):
                     state["model"] = self.adapter.grow(state["model"], size)
                 state = self._segment(state, size, numbers, on_token, calls)
             results = self.strategy.finish(state, numbers)
-            if self.compiled_steps is not None:  # off the compiled step's buffers,
+            if self.forms is not None:  # off the compiled step's buffers,
                 results = [None if r is None else ops.copy(r) for r in results]
         tokens, scores = results  # which the next call of this shape writes into
         return {"tokens": tokens, **({"scores": scores} if scores is not None else {})}
@@ -127,17 +127,13 @@ class Generator(keras.Model):
         the index is a Python int. `done` is read back once per step where
         end tokens can finish rows early; otherwise a step reads nothing back
         to the host."""
-        step = (
-            (lambda state: self._step(state, numbers, calls))
-            if self.compiled_steps is None
-            else self._compiled(state, numbers, calls)
-        )
+        step = self._stepper(state, numbers, calls)
         index = int(ops.convert_to_numpy(state["index"]))
         ends = bool(self.settings.end_token_ids)
         while index < size and not (
             ends and ops.convert_to_numpy(ops.all(state["done"]))
         ):
-            state = step(state)
+            state = step(state, size - index)
             if on_token is not None:
                 on_token(
                     index - self.width, ops.convert_to_numpy(state["tokens"])[:, index]
@@ -146,35 +142,26 @@ class Generator(keras.Model):
         return state
 
     def _steps_held(self):
-        """PyTorch's compiled steps keep their state in buffers of their own
-        (`_torch._StaticLeaves`): one decoding at a time may use them."""
-        if self.compiled_steps is None:
-            return contextlib.nullcontext()
-        if not self._holding.acquire(blocking=False):
-            raise RuntimeError(
-                "This compiled `generate` loop is already decoding (in another "
-                "thread, or an `on_token` callback called `generate` again): its "
-                "caches are held in place. Wait for it, or pass jit_compile=False."
-            )
-        held = contextlib.ExitStack()
-        held.callback(self._holding.release)
-        return held
+        """PyTorch's compiled steps keep their state in buffers of their own:
+        one decoding at a time may use them (`StepForms.held`)."""
+        return contextlib.nullcontext() if self.forms is None else self.forms.held()
 
-    def _compiled(self, state, numbers, calls):
-        """PyTorch: the step exported and compiled for these shapes (one
-        segment, the whole length: one compile per `generate` shape)."""
-        key = shapes_key(state)  # the source's length too
-        if key not in self.compiled_steps:
+    def _stepper(self, state, numbers, calls):
+        """`step(state, remaining steps)` for a segment: eager, or on PyTorch
+        the form `StepForms` gives (compiled once per `generate` shape: one
+        segment, the whole length)."""
+        step = functools.partial(self._step, calls=calls)  # (state, numbers)
+        if self.forms is None:
+            return lambda state, remaining: step(state, numbers)
+
+        def make(form, state):
             from keras_attn.generation import _torch
 
-            self.compiled_steps[key] = _torch.compile_step(
-                functools.partial(self._step, calls=calls),
-                self.decoding_layers,
-                state,
-                numbers,
-            )
-        compiled = self.compiled_steps[key]
-        return lambda state: compiled(state, numbers)
+            build = _torch.capture_step if form == "graph" else _torch.compile_step
+            return build(step, self.decoding_layers, state, numbers)
+
+        key = shapes_key(state)  # the source's length too
+        return self.forms.stepper(key, numbers, step, make, _form(state))
 
     def _step(self, state, numbers, calls):
         """Choose and write one token per row, then run the model on it."""
@@ -236,6 +223,14 @@ class Generator(keras.Model):
         if self.write_in_place is not None:
             return self.write_in_place(buffer, column[:, None], index)
         return ops.slice_update(buffer, [0, index], column[:, None])
+
+
+def _form(state):
+    """What `jit_compile="auto"` compiles a PyTorch step to: a CUDA graph on
+    a GPU, Inductor elsewhere."""
+    from keras_attn.generation import _torch
+
+    return "graph" if _torch.device_type(state) == "cuda" else "inductor"
 
 
 def is_end_token(tokens, end_token_ids):

@@ -126,7 +126,7 @@ class SpeculativeGenerator(Generator):
         the tokens), and `on_token` called for each new position."""
         index = self.width
         round_ = functools.partial(self._round, calls=calls)
-        if self.compiled_steps is not None:  # PyTorch, jit_compile=True
+        if self.forms is not None and self.forms.jit_compile is True:
             round_ = self._compiled_round(state, numbers, round_)
         while bool(ops.convert_to_numpy(self._running(state))):
             state = round_(state, numbers)
@@ -142,14 +142,14 @@ class SpeculativeGenerator(Generator):
         """PyTorch: the round exported and compiled for these shapes, as
         `Generator._compiled` does the step (the draft's weights included)."""
         key = shapes_key(state)
-        if key not in self.compiled_steps:
+        if key not in self.forms.compiled:
             from keras_attn.generation import _torch
 
             layers = [*self.decoding_layers, *self.draft_layers]
-            self.compiled_steps[key] = _torch.compile_step(
+            self.forms.compiled[key] = _torch.compile_step(
                 round_, list(dict.fromkeys(layers)), state, numbers
             )
-        return self.compiled_steps[key]
+        return self.forms.compiled[key]
 
     def _round(self, state, numbers, calls):
         """Propose `k` tokens, verify them in one target pass, keep the

@@ -91,7 +91,7 @@ def _state_kept(layer):
         and layer.activity_regularizer is None
         and getattr(layer, "_remat_mode", True) is None  # Keras' RematScope
         and keras.distribution.distribution() is None
-        and (_scope_kept(layer) if layer.autocast else _no_autocast(layer))
+        and _scope_kept(layer)
     )
 
 
@@ -170,14 +170,19 @@ def _arguments_kept(layer, arguments):
 
 
 def _scope_kept(layer):
-    """Whether `Layer.__call__` would keep Keras' autocast scope as it is:
-    without one, a sublayer of mixed dtypes enters its own; with one, a
-    sublayer enters another unless the scope's dtype is its compute dtype."""
+    """Whether `Layer.__call__` would keep Keras' autocast scope as it is
+    (Keras 3.15, `Layer.__call__`'s step 7), or change nothing `call`
+    reads: without a scope, a layer of mixed dtypes enters its own; with
+    one, a layer that does not autocast (or computes in no float) clears it,
+    which matters only where a variable of its own would be cast, and
+    another enters its own unless the scope's dtype is its compute dtype."""
     if get_autocast_scope is None:
         return False
     scope = get_autocast_scope()
     if scope is None:
         return layer.compute_dtype == layer.variable_dtype
+    if not layer.autocast or not keras.backend.is_float_dtype(layer.compute_dtype):
+        return _no_autocast(layer)
     return scope.dtype == layer.compute_dtype
 
 
@@ -261,11 +266,21 @@ def _bind_rms_norm(layer):
     return call
 
 
+def _bind_embedding(layer):
+    """`Embedding.call` of a table without LoRA (`None`: Keras' call)."""
+    if layer.lora_enabled or type(layer).embeddings is not _KERAS_TABLE:
+        return None
+    table, dtype = _value(layer._embeddings), layer.compute_dtype
+    return lambda ids: torch_eager.embedding(ids, table, dtype)
+
+
+_KERAS_TABLE = keras.layers.Embedding.embeddings
 _KERAS_KERNELS = (keras.layers.Dense.kernel, keras.layers.EinsumDense.kernel)
 # Keras' `call` functions -> binders of their torch calls; none but on PyTorch.
 _BINDERS = {
     keras.layers.Dense.call: _bind_dense,
     keras.layers.EinsumDense.call: _bind_einsum_dense,
+    keras.layers.Embedding.call: _bind_embedding,
     keras.layers.LayerNormalization.call: _bind_layer_norm,
     keras.layers.RMSNormalization.call: _bind_rms_norm,
 }

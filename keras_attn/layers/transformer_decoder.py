@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_attn.layers._attention_call import cache_length
 from keras_attn.layers._block import TransformerBlock, to_bool
 from keras_attn.layers._decoder_call import DecoderCall, check_decoder_call
 from keras_attn.layers._docs import shared_docs
@@ -353,7 +354,11 @@ class TransformerDecoder(TransformerBlock):
         self_attention_cache = args.self_attention_cache
         dtype = self.compute_dtype
         batch, target = decoder_sequence.shape[:2]
-        keys = target if self_attention_cache is None else self_attention_cache.shape[3]
+        keys = (
+            target
+            if self_attention_cache is None
+            else cache_length(self_attention_cache)
+        )
         scores = [(batch, self.num_heads, target, keys)]
         caches = [self_attention_cache]
         if self._has_cross_attention:
@@ -364,15 +369,19 @@ class TransformerDecoder(TransformerBlock):
         if args.return_attention_scores:
             outputs += [keras.KerasTensor(shape, dtype=dtype) for shape in scores]
         if self_attention_cache is not None:
-            outputs += [keras.KerasTensor(c.shape, dtype=c.dtype) for c in caches]
+            outputs += [keras.tree.map_structure(_spec, c) for c in caches]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _cross_spec(self, args, batch):
         """The number of cross-attention keys and the cross cache's spec."""
         cache = args.cross_attention_cache
         if cache is not None:
-            return cache.shape[3], cache
+            return cache_length(cache), cache
         source = args.encoder_sequence.shape[1]
         attention = self.cross_attention
         shape = (batch, 2, attention._kv_heads, source, attention._head_dim)
         return source, keras.KerasTensor(shape, dtype=self.compute_dtype)
+
+
+def _spec(tensor):
+    return keras.KerasTensor(tensor.shape, dtype=tensor.dtype)

@@ -156,3 +156,61 @@ def test_returned_tokens_are_not_the_compiled_steps_buffers(cuda_graphs, monkeyp
     generate(model, PROMPTS[::-1], 12, jit_compile=True, return_scores=True)
     np.testing.assert_array_equal(returned[0]["tokens"].numpy(), first[0])
     np.testing.assert_array_equal(returned[0]["scores"].numpy(), first[1])
+
+
+def test_auto_captures_a_cuda_graph_once_eager_steps_cost_more(
+    captured_graphs, monkeypatch
+):
+    """`jit_compile="auto"` on a GPU (held to CUDA graph capture's rules on a
+    CPU): eager steps, timed, until they have cost what a capture does (here
+    nothing), then the step captured in the middle of the call and replayed;
+    the next call replays from its first step. The tokens of eager
+    decoding, greedy and sampled."""
+    from keras_attn.generation import tiers
+
+    monkeypatch.setattr(tiers, "cost", lambda form: 0.0)
+    monkeypatch.setattr(tiers, "_MEASURED", {})  # this test's own measures
+    model = decoder_only_model(VOCAB, WIDTH, num_key_value_heads=2)
+    for kwargs in ({"method": "sample", "seed": 3, "top_k": 4}, {}):
+        auto = generate(model, PROMPTS, 40, **kwargs)
+        eager = generate(model, PROMPTS, 40, jit_compile=False, **kwargs)
+        np.testing.assert_array_equal(auto, eager)
+    np.testing.assert_array_equal(generate(model, PROMPTS, 40), eager)
+    greedy = captured_graphs.graphs[-1]
+    # 36 steps a call: two eager (the first binds, the second is timed), 34
+    # replays; then 36 replays.
+    assert len(captured_graphs.graphs) == 2 and greedy.replays == 34 + 36
+
+
+def test_auto_stays_eager_while_a_compile_costs_more(captured_graphs, monkeypatch):
+    """The eager time a shape has cost adds up over calls; below the cost of
+    a capture nothing is captured."""
+    from keras_attn.generation import api, tiers
+
+    monkeypatch.setattr(tiers, "cost", lambda form: 1e9)
+    monkeypatch.setattr(tiers, "_MEASURED", {})
+    model = decoder_only_model(VOCAB, WIDTH)
+    first = generate(model, PROMPTS, 12)
+    np.testing.assert_array_equal(generate(model, PROMPTS, 12), first)
+    assert not captured_graphs.graphs
+    (generator,) = api._GENERATORS[model].values()
+    (spent,) = generator.forms.spent.values()
+    assert spent > 0
+
+
+def test_the_capture_double_refuses_what_cuda_cannot_capture(captured_graphs):
+    """The double can fail: a read back to the host or a tensor made from
+    Python data inside the captured call raises, as stream capture does; a
+    replay overwrites the last one's outputs."""
+    import torch
+
+    x = torch.ones(3)
+    for bad in (lambda x: (x * x.sum().item(),), lambda x: (x + torch.tensor(1.0),)):
+        with pytest.raises(RuntimeError, match="not permitted when stream is"):
+            captured_graphs(bad, [x], warmups=1)
+    graph, (out,) = captured_graphs(lambda x: (x.add_(1) * 2,), [x], warmups=0)
+    assert torch.isnan(out).all() and torch.equal(x, torch.ones(3))  # not run
+    graph.replay()
+    kept = out.clone()
+    graph.replay()
+    assert torch.equal(kept, torch.full((3,), 4.0)) and torch.equal(out, kept + 2)

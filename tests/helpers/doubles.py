@@ -129,6 +129,100 @@ def hold_compiled_steps_to_cuda_graphs(monkeypatch):
     return replays
 
 
+# Ops a CUDA graph cannot capture (NVIDIA's "CUDA Graphs" guide, "Quick
+# Checklist", docs.nvidia.com/dl-cuda-graph; PyTorch's notes on CUDA Graphs,
+# "Constraints"): a read back to the host (`.item()`, a Python bool of a
+# tensor), a tensor made on the device from Python data (`torch.tensor`,
+# `as_tensor`: `lift_fresh`, a copy from host memory; an exported graph's
+# constants were made on the device at export, and its `lift_fresh_copy` of
+# them is a copy on the device), and an output whose shape depends on the
+# data (which the host must read).
+UNCAPTURABLE = (
+    "aten::_local_scalar_dense",
+    "aten::lift_fresh",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique_consecutive",
+    "aten::_unique2",
+)
+
+
+class CudaGraphCapture:
+    """`torch.cuda.CUDAGraph` capture and replay, as a CPU can hold them.
+
+    The rules: a captured call may do nothing of `UNCAPTURABLE` (it raises
+    here, as CUDA's stream capture does); the capture runs no kernel, so the
+    captured call writes nothing and its outputs hold garbage until the
+    first replay (here: its inputs are restored and its outputs NaN, -1 or
+    True); a replay reads and writes the very tensors it was captured with
+    and writes its outputs into the same memory (the previous replay's
+    outputs overwritten).
+    """
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, module, inputs, warmups):
+        for _ in range(warmups):  # they run, uncaptured: anything goes
+            module(*inputs)
+        before = [x.clone() for x in inputs]
+        with _Capturing():
+            outputs = module(*inputs)
+        for x, saved in zip(inputs, before, strict=True):
+            x.copy_(saved)  # the capture ran no kernel
+        graph = _ReplayedGraph(module, inputs, outputs)
+        self.graphs.append(graph)
+        return graph, outputs
+
+
+class _ReplayedGraph:
+    def __init__(self, module, inputs, outputs):
+        self.module, self.inputs, self.outputs = module, inputs, outputs
+        self.replays = 0
+        for output in outputs:
+            output.fill_(_garbage(output))
+
+    def replay(self):
+        for output in self.outputs:
+            output.fill_(_garbage(output))
+        with _Capturing():
+            results = self.module(*self.inputs)
+        for output, result in zip(self.outputs, results, strict=True):
+            output.copy_(result)
+        self.replays += 1
+
+
+def _Capturing():  # noqa: N802 (the dispatch mode, made where torch is)
+    """A dispatch mode that raises on what CUDA's stream capture refuses
+    (`UNCAPTURABLE`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Capturing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name in UNCAPTURABLE:
+                raise RuntimeError(
+                    f"operation not permitted when stream is capturing: {name} "
+                    "(a CUDA graph captures no read back to the host, tensor "
+                    "made from Python data, or shape that depends on data)"
+                )
+            return func(*args, **(kwargs or {}))
+
+    return Capturing()
+
+
+def hold_capture_to_cuda_graphs(monkeypatch):
+    """`generate`'s PyTorch steps told they are on a GPU (`"auto"` then
+    captures them as CUDA graphs), the capture being `CudaGraphCapture`;
+    returns it."""
+    from keras_attn.generation import _torch as torch_generation
+
+    capture = CudaGraphCapture()
+    monkeypatch.setattr(torch_generation, "capture", capture)
+    monkeypatch.setattr(torch_generation, "device_type", lambda state: "cuda")
+    return capture
+
+
 def hold_int8_to_xla_gpu(monkeypatch):
     """keras_attn's int8 layers told that they run on a GPU, where XLA's int8
     dot needs contracted sizes that are multiples of 4 (the rule:

@@ -85,6 +85,25 @@ def rotary_reference(x, positions, max_wavelength=10000.0, scaling_factor=1.0):
     return x * np.cos(angles) + rotated * np.sin(angles), angles
 
 
+def visible_positions_reference(
+    index, count, length, real=None, window=None, sinks=None
+):
+    """Which of `length` key positions the queries at `index, ..., index +
+    count - 1` see, bool `(B or 1, count, length)`, from the definitions: key
+    `p` at or before query `q`, a real token (`real` `(B, length)`), and
+    with a `window`, `q - p < window` or `p` among the row's first `sinks`
+    real positions (counted from its first real one)."""
+    query = index + np.arange(count)[:, None]  # (count, 1)
+    key = np.arange(length)[None, :]  # (1, length)
+    real = np.ones((1, length), bool) if real is None else np.asarray(real, bool)
+    seen = (key <= query)[None] & real[:, None, :]
+    if window is not None:
+        first = real.argmax(axis=1)[:, None, None]  # (B, 1, 1)
+        near = (query - key < window)[None] | (key[None] < first + (sinks or 0))
+        seen = seen & near
+    return seen
+
+
 def masking_bias(mask):
     """An additive bias that does what the boolean `mask` does."""
     return np.where(mask, 0.0, -1e9).astype("float32")
