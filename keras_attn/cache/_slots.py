@@ -11,7 +11,7 @@ import math
 import keras
 from keras import ops
 
-from keras_attn.ops.dtypes import cast_to, int32
+from keras_attn.ops.dtypes import int32
 from keras_attn.ops.masks import causal, sink_keys, window_band
 
 if keras.config.backend() == "torch":
@@ -35,10 +35,10 @@ class Linear:
         return ops.expand_dims(ops.arange(0, self.length, dtype="int32"), 0)
 
     def mask(self, index, count, real=None, window=None, sinks=None):
-        """Which slots the `count` queries at `index, ...` see: bool `(count,
-        length)` or `(batch, count, length)`; `real` (bool `(batch,
-        length)`, True for real tokens), the layer's sliding `window` and
-        attention `sinks` as in `linear_mask`."""
+        """Which slots the `count` queries at `index, ...` see: bool `(batch
+        or 1, 1, count, length)`; `real` (bool `(batch, length)`, True for
+        real tokens), the layer's sliding `window` and attention `sinks` as
+        in `linear_mask`."""
         return linear_mask(index, count, self.length, real, window, sinks)
 
 
@@ -74,26 +74,30 @@ def take(buffer, positions):
 
 def linear_mask(index, count, length, real=None, window=None, sinks=None):
     """Which of `length` slots, slot `p` holding position `p`, the queries at
-    `index, ..., index + count - 1` see: bool `(count, S)`, or `(B, count,
-    S)` with `real` or sinks.
+    `index, ..., index + count - 1` see: bool `(B or 1, 1, count, S)`, the
+    rank attention takes as it is (one head axis, broadcast).
 
     A query sees the positions written up to its own (the causal mask), real
     ones (`real`, bool `(B, S)` by position, True for real tokens), within a
     sliding `window` of it or among the first `sinks` real positions of its
     row: the masks of `ops/masks.py`, as a layer's own call builds them.
     """
+    # Operators and indexing, not Keras' ops: a decoding step builds this
+    # mask (Keras' ops convert each argument on PyTorch's eager steps).
+    if real is not None and not ops.is_tensor(real):
+        real = ops.convert_to_tensor(real, "bool")
     if count == 1:  # one new token: every position written so far
-        seen = ops.expand_dims(ops.arange(0, length, dtype="int32") <= index, 0)
+        seen = (ops.arange(0, length, dtype="int32") <= index)[None]
     else:
         seen = causal(count, length, index)
     if window is not None:
         band = window_band(count, length, window, index)
         if sinks:
-            band = ops.logical_or(band, sink_keys(length, sinks, real))
-        seen = ops.logical_and(seen, band)
+            band = band | sink_keys(length, sinks, real)
+        seen = seen & band
     if real is not None:
-        seen = ops.logical_and(seen, ops.expand_dims(real, 1))
-    return seen
+        seen = seen & real[:, None]
+    return seen[:, None] if len(seen.shape) == 3 else seen[None, None]
 
 
 def nbytes(*tensors):
@@ -106,11 +110,3 @@ def _itemsize(dtype):
     if dtype == "bool":
         return 1
     return int("".join(c for c in dtype if c.isdigit())) // 8
-
-
-def cast(x, dtype):
-    """`x` as a tensor in `dtype` (arrays converted, tensors cast where they
-    must be)."""
-    if not ops.is_tensor(x):
-        return ops.convert_to_tensor(x, dtype)
-    return cast_to(x, dtype)

@@ -6,6 +6,7 @@ import collections
 from keras import ops
 
 from keras_attn.cache import _slots
+from keras_attn.ops.dtypes import cast_to
 
 
 class DenseCache(_slots.Linear, collections.namedtuple("DenseCache", ["kv"])):
@@ -29,7 +30,7 @@ class DenseCache(_slots.Linear, collections.namedtuple("DenseCache", ["kv"])):
     >>> cache = cache.update(keys, values, index=5)
     >>> tuple(cache.read("float32")[0].shape), cache.nbytes
     ((2, 3, 8, 4), 1536)
-    >>> keras.ops.convert_to_numpy(cache.mask(5, 1))[0, 4:7].tolist()
+    >>> keras.ops.convert_to_numpy(cache.mask(5, 1))[0, 0, 0, 4:7].tolist()
     [True, True, False]
     """
 
@@ -49,13 +50,13 @@ class DenseCache(_slots.Linear, collections.namedtuple("DenseCache", ["kv"])):
         """`keys` and `values` `(batch, n, kv_heads, head_dim)` written at
         positions `index, ..., index + n - 1` (`index` an int or a scalar
         int tensor); returns the cache."""
-        keys, values = (_slots.cast(x, self.kv.dtype) for x in (keys, values))
+        keys, values = (cast_to(x, self.kv.dtype) for x in (keys, values))
         return DenseCache(_slots.write(self.kv, keys, values, index))
 
     def read(self, dtype):
         """`(keys, values)`, each `(batch, kv_heads, length, head_dim)` in
         `dtype`: what a step attends over."""
-        return _slots.cast(self.kv[:, 0], dtype), _slots.cast(self.kv[:, 1], dtype)
+        return cast_to(self.kv[:, 0], dtype), cast_to(self.kv[:, 1], dtype)
 
     def take(self, positions):
         """A cache of the slots at `positions` (int32 `(batch or 1, n)`)."""
@@ -64,7 +65,7 @@ class DenseCache(_slots.Linear, collections.namedtuple("DenseCache", ["kv"])):
     def blend(self, arrives, keys, values):
         """The first `s` slots take one token's keys and values where
         `arrives` `(batch, s)` is True (a rolling cache's sinks)."""
-        keys, values = (_slots.cast(x, self.kv.dtype) for x in (keys, values))
+        keys, values = (cast_to(x, self.kv.dtype) for x in (keys, values))
         return DenseCache(_slots.blend(self.kv, arrives, keys, values))
 
 
@@ -73,5 +74,5 @@ def written(kv, keys, values, index):
     `(B, n, K, D)` written at positions `index, ..., index + n - 1`, and
     `kv` as it was (a `MultiHeadAttention` called with a cache tensor:
     Keras' and keras-hub's functional form)."""
-    keys, values = (_slots.cast(x, kv.dtype) for x in (keys, values))
+    keys, values = (cast_to(x, kv.dtype) for x in (keys, values))
     return _slots.write(kv, keys, values, index, in_place=False)

@@ -6,6 +6,7 @@ import collections
 from keras import ops
 
 from keras_attn.cache import _slots
+from keras_attn.ops.dtypes import cast_to
 
 
 class Int8Cache(_slots.Linear, collections.namedtuple("Int8Cache", ["kv", "scale"])):
@@ -59,7 +60,7 @@ class Int8Cache(_slots.Linear, collections.namedtuple("Int8Cache", ["kv", "scale
     def read(self, dtype):
         """`(keys, values)`, each `(batch, kv_heads, length, head_dim)`,
         dequantized in float32 and then cast to `dtype`."""
-        kv = _slots.cast(ops.cast(self.kv, "float32") * self.scale, dtype)
+        kv = cast_to(ops.cast(self.kv, "float32") * self.scale, dtype)
         return kv[:, 0], kv[:, 1]
 
     def take(self, positions):

@@ -90,13 +90,13 @@ class RollingCache(collections.namedtuple("RollingCache", ["slots", "sinks"])):
         return ops.concatenate([self.sinks, ring], axis=1)
 
     def mask(self, index, count, real=None, window=None, sinks=None):
-        """Which slots the query at `index` sees, bool `(batch, 1, sinks +
+        """Which slots the query at `index` sees, bool `(batch, 1, 1, sinks +
         window)`: written, real (`real`, bool `(batch, length)` by
         position), and a ring slot only where its position is not one of the
         row's sinks. `count` must be 1; `window` and `sinks` are the
         cache's own (its slots hold nothing else)."""
         positions = self.positions(index)  # (B, S)
-        seen = ops.logical_and(positions >= 0, positions <= index)
+        seen = (positions >= 0) & (positions <= index)
         if real is not None:
             at = ops.clip(positions, 0, real.shape[1] - 1)
             seen = ops.logical_and(seen, ops.take_along_axis(real, at, axis=1))
@@ -104,7 +104,7 @@ class RollingCache(collections.namedtuple("RollingCache", ["slots", "sinks"])):
             ring = positions[:, self.sinks.shape[1] :] > self.sinks[:, -1:]
             held = ops.concatenate([ops.ones_like(self.sinks, "bool"), ring], axis=1)
             seen = ops.logical_and(seen, held)
-        return ops.expand_dims(seen, 1)
+        return seen[:, None, None]
 
 
 def _sink_positions(pads, sinks):

@@ -1,8 +1,6 @@
 """`generate`, the public entry of cached decoding: it checks the call once,
 then finds (or compiles) the decoding loop for the model and runs it."""
 
-import contextlib
-import dataclasses
 import weakref
 
 import keras
@@ -11,12 +9,12 @@ from keras import ops
 
 from keras_attn.generation import prompts
 from keras_attn.generation.adapter import FunctionAdapter, ModelAdapter
-from keras_attn.generation.graph import GraphPlan
+from keras_attn.generation.drafts import check_draft_sources, draft_plan
 from keras_attn.generation.loop import Generator
+from keras_attn.generation.plans import FunctionPlan, plan_of
 from keras_attn.generation.settings import Settings, check_speculation
 from keras_attn.generation.speculative import SpeculativeGenerator
 
-_PLANS = weakref.WeakKeyDictionary()  # model -> its GraphPlan, read once
 _GENERATORS = weakref.WeakKeyDictionary()  # model -> {key: Generator}
 
 
@@ -247,14 +245,14 @@ def generate(
     k = check_speculation(
         settings, draft_model, num_speculative_tokens, return_acceptance
     )
-    owner, plan = _plan(model)
-    if settings.cache_dtype is not None and isinstance(plan, _FunctionPlan):
+    owner, plan = plan_of(model)
+    if settings.cache_dtype is not None and isinstance(plan, FunctionPlan):
         raise ValueError(
             "`cache_dtype` sets the dtype of the caches `generate` makes for a "
             "model's decoders; `(prefill, step)` functions keep their own. "
             f"Received: cache_dtype={settings.cache_dtype!r} with functions."
         )
-    draft = _draft_plan(draft_model, model, plan, k)
+    draft = draft_plan(draft_model, model, plan, k)
     prompt, sources = plan.split_inputs(inputs)
     prompt, pads, right_padded = prompts.left_pad(prompt, settings.pad_token_id)
     length, returned = prompts.decoding_length(
@@ -272,7 +270,7 @@ def generate(
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
     sources = {f"encoder_{i}": x for i, x in enumerate(sources)}
     if draft:  # it reads the target's encoder inputs (the same, checked)
-        _check_draft_sources(draft, inputs, length, pads)
+        check_draft_sources(draft, inputs, length, pads)
     plan.warn_if_probabilities(method)
     outputs = _decode(
         owner, plan, settings, prompt, pads, sources, length, jit_compile, on_token,
@@ -355,50 +353,6 @@ def _eager_decode(generator, batch, on_token):
         return generator.decode(tensors, on_token=on_token)
 
 
-def _plan(model):
-    """`(cache owner, plan)`: the model's graph, read once, or the user's
-    `(prefill, step)` functions."""
-    if _is_function_pair(model):
-        owner = getattr(model[0], "__self__", model[0])
-        return owner, _FunctionPlan(model)
-    if not isinstance(model, keras.Model):  # GraphPlan says what it needs
-        return None, GraphPlan(model)
-    if model not in _PLANS:
-        _PLANS[model] = GraphPlan(model)
-    return model, _PLANS[model]
-
-
-def _is_function_pair(model):
-    """Two callables that are not layers (a list of two models is a mistake)."""
-    if not isinstance(model, tuple | list) or len(model) != 2:
-        return False
-    if any(isinstance(f, keras.layers.Layer) for f in model):
-        raise TypeError(
-            "`model` must be a functional keras.Model or a `(prefill, step)` "
-            "pair of functions. Received a pair of "
-            f"{[type(f).__name__ for f in model]}."
-        )
-    return all(map(callable, model))
-
-
-class _FunctionPlan:
-    """A user's `(prefill, step)` pair in the place of a model's graph."""
-
-    vocabulary_size = None
-    max_positions = None
-    encoder_indices = ()
-    source_specs = ()
-
-    def __init__(self, functions):
-        self.functions = tuple(functions)
-
-    def split_inputs(self, inputs):
-        return inputs, []
-
-    def warn_if_probabilities(self, method):
-        pass
-
-
 def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
     """The compiled loop for these settings, prompt width and length, and
     Keras' flash attention switch (which the attention plan reads when the
@@ -432,105 +386,3 @@ def _generator(owner, plan, settings, width, length, jit_compile, draft=None):
 
 def _function_key(function):
     return getattr(function, "__func__", function)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Draft:
-    """A checked draft model: the model, its `GraphPlan` and `k`, the draft
-    tokens per round (`num_speculative_tokens`)."""
-
-    model: keras.Model
-    plan: GraphPlan
-    k: int
-
-
-def _check_draft_sources(draft, inputs, length, pads):
-    """Raise if the draft would run past its position table (a round's
-    `k - 1` spare positions included) or cannot read the encoder inputs (its
-    own vocabularies); it reads the target's, which it takes in the same
-    places and specs (`_check_draft_inputs`)."""
-    prompts.check_positions(
-        length, pads, draft.plan.max_positions, spare=draft.k - 1, model="draft_model"
-    )
-    with _naming_draft_model():
-        encoder_inputs = draft.plan.split_inputs(inputs)[1]
-        prompts.check_sources(encoder_inputs, draft.plan.source_specs, len(pads))
-
-
-@contextlib.contextmanager
-def _naming_draft_model():
-    """Errors from reading the draft model's graph, re-raised naming
-    `draft_model` (the cause kept)."""
-    try:
-        yield
-    except (ValueError, TypeError) as error:
-        raise type(error)(f"`draft_model`: {error}") from error
-
-
-def _draft_plan(draft_model, model, plan, k):
-    """A `Draft`, checked against the target's `plan`, or None without a
-    draft model."""
-    if draft_model is None:
-        return None
-    if not isinstance(draft_model, keras.Model):
-        raise TypeError(
-            "`draft_model` must be a functional keras.Model (not `(prefill, "
-            "step)` functions). Received: draft_model of type "
-            f"{type(draft_model).__name__}."
-        )
-    if isinstance(plan, _FunctionPlan):
-        raise ValueError(
-            "Speculative decoding needs a functional keras.Model as `model`, "
-            "not `(prefill, step)` functions. Received a `(prefill, step)` "
-            "pair as `model` with a `draft_model`."
-        )
-    with _naming_draft_model():
-        _, draft = _plan(draft_model)
-    _check_draft_vocabulary((draft_model, draft), (model, plan))
-    _check_draft_inputs(draft, plan)
-    return Draft(draft_model, draft, k)
-
-
-def _check_draft_vocabulary(draft, target):
-    """The draft must embed and score the target's tokens: the embeddings'
-    sizes and the logits' last dimensions (which must be known: they are
-    compared here, not inside the compiled loop). Each is `(model, plan)`."""
-    (draft_model, draft), (model, plan) = draft, target
-    if draft.vocabulary_size != plan.vocabulary_size:
-        raise ValueError(
-            "`draft_model` must score the target's vocabulary. Received a "
-            f"draft with vocabulary_size={draft.vocabulary_size}; the target "
-            f"has {plan.vocabulary_size}."
-        )
-    widths = [m.outputs[0].shape[-1] for m in (model, draft_model)]
-    if None in widths:
-        raise ValueError(
-            "`draft_model` and `model` must score a vocabulary of a known "
-            "size (the last dimension of their logits), to compare them "
-            f"before decoding. Received logits of {widths[1]} (draft) and "
-            f"{widths[0]} (target) tokens."
-        )
-    if widths[0] != widths[1]:
-        raise ValueError(
-            "`draft_model` must score the target's vocabulary. Received a "
-            f"draft whose logits score {widths[1]} tokens; the target's "
-            f"{widths[0]}."
-        )
-
-
-def _check_draft_inputs(draft, plan):
-    """The draft must take the target's inputs: as many, in the same places
-    (the token ids and each encoder input), of the same specs."""
-    counts = [(len(p.inputs), len(p.source_specs)) for p in (draft, plan)]
-    specs = [[(s.shape[1:], s.integer) for s in p.source_specs] for p in (draft, plan)]
-    places = [(p.prompt_index, list(p.encoder_indices)) for p in (draft, plan)]
-    if counts[0] != counts[1] or specs[0] != specs[1] or places[0] != places[1]:
-        raise ValueError(
-            "`draft_model` must take the target's inputs (decoder-only, or "
-            "the same encoder inputs, in the same order). Received a draft "
-            f"with {counts[0][0]} inputs, {counts[0][1]} of them encoder "
-            f"inputs (shapes, int: {specs[0]}; token ids at input "
-            f"{places[0][0]}, encoder inputs at {places[0][1]}); the target "
-            f"has {counts[1][0]}, {counts[1][1]} ({specs[1]}; {places[1][0]}, "
-            f"{places[1][1]})."
-        )

@@ -20,8 +20,8 @@ from keras_attn._checks import (
     check_width,
     dims_differ,
 )
-from keras_attn.cache import DenseCache, Int8Cache, RollingCache
 from keras_attn.layers._attention_axes import AttentionAxes
+from keras_attn.layers._attention_cache import cache_length, check_cache
 from keras_attn.ops.dtypes import int32
 from keras_attn.ops.masks import (
     causal,
@@ -378,60 +378,3 @@ def _check_attention_bias(layer, bias, inner, key_inner):
         full,
         "(batch, num_heads, query_length, key_length)",
     )
-
-
-# --- Caches --------------------------------------------------------------------
-
-
-def check_cacheable(layer):
-    """Raise unless `layer` is built for key/value caches."""
-    if not layer.built:
-        raise ValueError(
-            f"{layer.name} must be built (called once) before it makes a cache."
-        )
-    if layer._value_head_dim != layer._head_dim:
-        raise ValueError(
-            "A key/value cache stacks keys and values, so it needs "
-            "`value_dim == key_dim`. Received: "
-            f"key_dim={layer._head_dim}, value_dim={layer._value_head_dim}."
-        )
-    if layer._axes.rank != 3:
-        raise ValueError(
-            "Key/value caches need inputs of rank 3, (batch, length, width). "
-            f"{layer.name} was built for inputs of rank {layer._axes.rank}."
-        )
-
-
-def check_cache(layer, cache, batch, name="cache"):
-    """Raise unless `cache` is a float `(batch, 2, kv_heads, length, key_dim)`
-    tensor, or a `DenseCache` or `Int8Cache` of that shape (a
-    `RollingCache` holds slots, not positions: it is read by
-    `decode_unchecked`, not by `call`)."""
-    check_cacheable(layer)
-    expected = (batch, 2, layer._kv_heads, None, layer._head_dim)
-    if isinstance(cache, RollingCache):
-        raise ValueError(
-            f"`{name}` is a RollingCache, whose slots hold a sliding window's "
-            "positions out of order: `call` takes a cache tensor, a "
-            "DenseCache or an Int8Cache; a RollingCache goes to "
-            "`decode_unchecked` (as `keras_attn.generation.generate` uses it)."
-        )
-    if isinstance(cache, Int8Cache):
-        check_mask(f"{name}.kv", cache.kv, expected)
-        check_mask(f"{name}.scale", cache.scale, (*expected[:4], 1))
-        return
-    if isinstance(cache, DenseCache):
-        cache, name = cache.kv, f"{name}.kv"
-    elif isinstance(cache, tuple) or not hasattr(cache, "shape"):
-        raise TypeError(
-            f"`{name}` must be a tensor `(batch, 2, num_key_value_heads, "
-            "length, key_dim)` or a `keras_attn.cache` object. "
-            f"Received: {name} of type {type(cache).__name__}."
-        )
-    check_mask(name, cache, expected)
-    check_float(name, cache)
-
-
-def cache_length(cache):
-    """The number of positions of a cache tensor or object."""
-    return cache.length if isinstance(cache, tuple) else cache.shape[3]

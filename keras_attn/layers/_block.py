@@ -18,7 +18,7 @@ from keras_attn._checks import (
 from keras_attn.layers import _int8, _lean_call
 from keras_attn.layers._attention_call import check_scores_allowed
 from keras_attn.layers._docs import shared_docs
-from keras_attn.layers._lean_call import call_sublayer
+from keras_attn.layers._lean_call import activate, call_sublayer
 from keras_attn.layers._machinery import (
     ConfigCheck,
     clone_initializer,
@@ -239,10 +239,10 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         hidden = calls(norm, x) if self.normalize_first else x
         intermediate = calls(self.feedforward_intermediate_dense, hidden)
         if self.gated_feedforward:
-            gate = self.activation(calls(self.feedforward_gate_dense, hidden))
+            gate = activate(self.activation, calls(self.feedforward_gate_dense, hidden))
             hidden = gate * intermediate
         else:
-            hidden = self.activation(intermediate)
+            hidden = activate(self.activation, intermediate)
         hidden = self._drop(hidden, training)
         output = calls(self.feedforward_output_dense, hidden)
         return self._add_residual(

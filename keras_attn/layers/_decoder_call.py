@@ -15,7 +15,7 @@ from keras_attn._checks import (
     check_segment_ids_call,
     check_width,
 )
-from keras_attn.layers._attention_call import cache_length, check_cache
+from keras_attn.layers._attention_cache import cache_length, check_cache
 from keras_attn.layers._block import first_mask
 
 

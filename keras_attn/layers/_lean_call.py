@@ -274,6 +274,15 @@ def _bind_embedding(layer):
     return lambda ids: torch_eager.embedding(ids, table, dtype)
 
 
+def activate(function, x):
+    """`function(x)` for an activation (`keras.activations.get`'s): on
+    PyTorch, Keras' own `relu`, `silu`, `gelu` and `tanh` as the torch call
+    their backend makes (Keras 3.15, `keras/src/backend/torch/nn.py`: each
+    converts its input, then calls it), without `keras.ops`' dispatch."""
+    direct = _ACTIVATIONS.get(function)
+    return function(x) if direct is None else direct(x)
+
+
 _KERAS_TABLE = keras.layers.Embedding.embeddings
 _KERAS_KERNELS = (keras.layers.Dense.kernel, keras.layers.EinsumDense.kernel)
 # Keras' `call` functions -> binders of their torch calls; none but on PyTorch.
@@ -284,5 +293,16 @@ _BINDERS = {
     keras.layers.LayerNormalization.call: _bind_layer_norm,
     keras.layers.RMSNormalization.call: _bind_rms_norm,
 }
+# Keras' activations with their defaults -> the torch call they make.
+_ACTIVATIONS = {}
 if torch_eager is None:
     _BINDERS = {}
+else:
+    from torch.nn import functional
+
+    _ACTIVATIONS = {
+        keras.activations.relu: functional.relu,
+        keras.activations.silu: functional.silu,
+        keras.activations.gelu: functional.gelu,  # Keras' default: exact
+        keras.activations.tanh: functional.tanh,
+    }

@@ -1,6 +1,6 @@
 """The attention projections on Keras' `EinsumDense` (W_Q, W_K, W_V, the gate
 and W_O; int8 contractions padded for XLA, `_int8`) and the per-head QK-norms,
-built for a `MultiHeadAttention`."""
+built for a `MultiHeadAttention`; the heads they make, rotated by RoPE."""
 
 import keras
 
@@ -8,6 +8,7 @@ from keras_attn.layers import _int8
 from keras_attn.layers._initializers import MatrixInitializer
 from keras_attn.layers._lean_call import call_sublayer
 from keras_attn.layers._machinery import clone_initializer, leaf_dtype
+from keras_attn.ops.positions import rotate
 
 
 def head_norm(layer, name):
@@ -18,6 +19,33 @@ def head_norm(layer, name):
     norm.supports_masking = True  # per position, as the projections
     norm.build((None, None, None, layer._head_dim))
     return norm
+
+
+def build_sublayers(layer, query_width, key_width, value_width):
+    """`layer`'s projections, QK-norms and attention dropout, built, in
+    Keras' order (query, key, gate, value, output: the same weight list)."""
+    heads, kv_heads = layer.num_heads, layer._kv_heads
+    layer.query_dense = projection(layer, "query", query_width, heads, layer._head_dim)
+    layer.key_dense = projection(layer, "key", key_width, kv_heads, layer._head_dim)
+    layer.gate_dense = None
+    if layer.use_gate:
+        layer.gate_dense = projection(
+            layer, "gate", query_width, heads, layer._value_head_dim, "sigmoid"
+        )
+    layer.value_dense = projection(
+        layer, "value", value_width, kv_heads, layer._value_head_dim
+    )
+    layer.output_dense = output_projection(layer, query_width)
+    layer.query_norm = layer.key_norm = None
+    if layer.normalize_qk:  # after Keras' sublayers: the same weights first
+        layer.query_norm = head_norm(layer, "query_norm")
+        layer.key_norm = head_norm(layer, "key_norm")
+    layer._attention_dropout = keras.layers.Dropout(
+        layer.dropout,
+        seed=layer.seed,
+        dtype=leaf_dtype(layer, "dropout"),
+        name="dropout",
+    )
 
 
 def _sublayer_kwargs(layer, name):
@@ -70,6 +98,25 @@ def output_projection(layer, query_width):
     dense.supports_masking = True  # position-wise, as the projections
     dense.build((None, None, layer.num_heads, layer._value_head_dim))
     return dense
+
+
+def heads(layer, kind, x, positions, calls=call_sublayer):
+    """`layer`'s queries or keys (`kind`: `"query"` or `"key"`) of `x`,
+    `(B, T, heads, D)`: projected, RMS-normalized per head with
+    `normalize_qk`, then rotated to `positions` with RoPE (none: `None`)."""
+    x = project(getattr(layer, f"{kind}_dense"), x, calls)
+    norm = getattr(layer, f"{kind}_norm")
+    if norm is not None:
+        x = calls(norm, x)
+    if positions is None:
+        return x
+    return rotate(
+        x,
+        positions,
+        layer.rope_max_wavelength,
+        layer.rope_scaling_factor,
+        layer.rope_scaling,
+    )
 
 
 def project(dense, x, calls=call_sublayer):

@@ -14,18 +14,14 @@ from keras_attn._checks import (
     check_width,
     normalize_attention_axes,
 )
-from keras_attn.cache import DenseCache, empty_cache
-from keras_attn.cache.dense import written
+from keras_attn.layers import _attention_cache
 from keras_attn.layers._attention_axes import AttentionAxes
+from keras_attn.layers._attention_cache import cache_length, check_cacheable
 from keras_attn.layers._attention_call import (
     AttentionCall,
-    check_cacheable,
     check_call,
     check_heads,
     check_shapes,
-)
-from keras_attn.layers._attention_call import (
-    cache_length as length,
 )
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._lean_call import call_sublayer
@@ -34,22 +30,16 @@ from keras_attn.layers._machinery import (
     dtype_config,
     enable_lora,
     keras_objects_config,
-    leaf_dtype,
     set_keras_objects,
 )
 from keras_attn.layers._options import AttentionOptions
-from keras_attn.layers._projections import (
-    head_norm,
-    output_projection,
-    project,
-    projection,
-)
+from keras_attn.layers._projections import build_sublayers, heads, project
 from keras_attn.ops.attention import attend
 from keras_attn.ops.plan import fused_limits, refuse_flash
-from keras_attn.ops.positions import rotate
 
 
 @keras.saving.register_keras_serializable(package="keras_attn")
+@shared_docs
 class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
     """Multi-head attention, softmax(QK^T / sqrt(d_k)) V per head, then W_O.
 
@@ -91,140 +81,10 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
       along the positions there, and its layer gives wrong numbers.
 
     Args:
-        num_heads: int. Number of query heads.
-        key_dim: int. Per-head width of queries and keys. Defaults to the query
-            width // `num_heads` (which must then divide it).
-        value_dim: int. Per-head width of values. Defaults to `key_dim`.
-        dropout: float in [0, 1). Dropout on the attention weights in training.
-            Defaults to `0.0`.
-        use_bias: bool. Whether the projections have biases. Defaults to `True`.
-        output_shape: int or tuple of ints. Shape of each output position.
-            Defaults to the query width.
-        attention_axes: int or tuple of ints. The axes of inputs of rank >= 3
-            that attention runs over (the others act as batch axes). Defaults
-            to every axis between the batch and the feature axis.
-        sliding_window: int >= 1. Query `i` attends only to keys `j` with
-            `|i - j| < sliding_window`; with `use_causal_mask=True` this is
-            the causal sliding window of Mistral. Defaults to `None`.
-        flash_attention: `None` (fused kernels where they compute the same,
-            none after `keras.config.disable_flash_attention()`, as in Keras'
-            layer), `True` (require a fused kernel, whatever Keras' switch
-            says: raises with `dropout`,
-            `logit_soft_cap`, `return_attention_scores=True`, and where the
-            backend has none for the inputs; on PyTorch, any of torch's
-            fused kernels, not its composite one) or `False` (always the explicit
-            path, in chunks for long sequences). Defaults to `None`.
-        kernel_initializer: initializer of the kernels. Defaults to
-            `"glorot_uniform"` (fans of the 2-D projection matrices).
-        bias_initializer: initializer of the biases. Defaults to `"zeros"`.
-        kernel_regularizer: optional regularizer of the kernels.
-        bias_regularizer: optional regularizer of the biases.
-        activity_regularizer: optional regularizer of the output.
-        kernel_constraint: optional constraint of the kernels.
-        bias_constraint: optional constraint of the biases.
-        use_gate: bool. Multiply the attention output by a sigmoid gate
-            projected from the query (Qiu et al. 2025, arXiv 2505.06708), as
-            Keras does. Defaults to `False`.
-        seed: optional int. Seed of the attention dropout.
-        num_key_value_heads: int, keyword only. Key/value heads for
-            grouped-query attention; must divide `num_heads`. `1` is
-            multi-query attention. Defaults to `num_heads`.
-        output_dim: int, keyword only. The same as an int `output_shape` (the
-            name of keras_attn 0.1).
-        rope_max_wavelength: float, keyword only. Rotate queries and keys by
-            their positions after projection (rotary position embeddings, Su
-            et al. 2021; `keras_attn.ops.rotary_embedding`) with this base.
-            Needs inputs of rank 3 and an even `key_dim`. Defaults to `None`
-            (no rotation).
-        rope_scaling_factor: float, keyword only. Positions are divided by it
-            (linear position interpolation). Defaults to `1.0`.
-        rope_scaling: dict, keyword only. Hugging Face's `rope_scaling`, as
-            keras-hub computes it: `{"rope_type": "linear", "factor": f}` (as
-            `rope_scaling_factor=f`), `{"rope_type": "dynamic", "factor": f}`
-            (static NTK-aware scaling), `{"rope_type": "yarn", "factor": f,
-            "original_max_position_embeddings": n}` (and optionally
-            `beta_fast`, `beta_slow`, `truncate`) or `{"rope_type": "llama3",
-            "factor": f, "low_freq_factor": l, "high_freq_factor": h,
-            "original_max_position_embeddings": n}`; see
-            `keras_attn.ops.rotary_embedding`. Needs `rope_max_wavelength`;
-            not with `rope_scaling_factor`. Saved with its defaults filled
-            in. Defaults to `None`.
-        normalize_qk: bool, keyword only. RMS-normalize queries and keys per
-            head (sublayers `query_norm`, `key_norm`, Keras'
-            `RMSNormalization`) before the rotation and the dot product, as in
-            Gemma 3. Defaults to `False`.
-        qk_norm_epsilon: float, keyword only. Epsilon of the QK-norms.
-            Defaults to `1e-6`.
-        logit_soft_cap: float, keyword only. Soft-cap the scaled logits to
-            `cap * tanh(logits / cap)` before the softmax (Gemma 2); it runs on
-            the explicit path. Defaults to `None`.
-        attention_scale: float > 0, keyword only. The multiplier of the
-            query-key logits, on every path (Gemma scales by `(query width /
-            num_heads) ** -0.5` where its heads are wider). Defaults to
-            `None`: `1 / sqrt(key_dim)`.
-        attention_sinks: int >= 1, keyword only, with `sliding_window`. Key
-            `j` is also visible where `j < attention_sinks`: with the causal
-            mask, each query sees the first `attention_sinks` positions and
-            the last `sliding_window` (StreamingLLM, Xiao et al. 2023;
-            `keras_attn.ops.sliding_window_mask`). Left padding (the leading
-            keys the padding mask masks out) does not count: a left-padded
-            row's sinks are its first real keys; with `segment_ids`, each
-            segment's first keys. Defaults to `None`.
-        **kwargs: Base layer arguments (`name`, `dtype`, ...).
+        {attention_arguments}
 
     Call arguments:
-        query: float tensor `(batch, query_length, query_width)`, or of higher
-            rank with `attention_axes`.
-        value: optional float tensor `(batch, key_length, value_width)`.
-            Defaults to `query` (self-attention).
-        key: optional float tensor `(batch, key_length, key_width)`. Defaults to
-            `value`.
-        query_mask: optional bool `(batch, query_length)`; filled in by Keras from
-            the query's Keras mask. It only sets the output's mask.
-        value_mask: optional bool `(batch, key_length)`, True for keys that may be
-            attended to; filled in by Keras from the value's Keras mask.
-        key_mask: optional bool `(batch, key_length)`, combined with `value_mask`.
-        attention_mask: optional bool `(batch, query_length, key_length)` or
-            broadcastable (rank 2 to 4), True where attention is allowed. For
-            inputs of higher rank, `(batch, *batch axes, *query attention axes,
-            *key attention axes)`.
-        return_attention_scores: bool. Also return the attention weights.
-            Defaults to `False`.
-        training: bool. Whether dropout is active.
-        use_causal_mask: bool. Query `i` may only attend to keys `j <= i` (over
-            the flattened attention axes). Defaults to `False`.
-        attention_bias: optional float tensor broadcastable to
-            `(batch, num_heads, query_length, key_length)`, added to the scaled
-            logits (ALiBi: `keras_attn.ops.alibi_bias`; T5 relative biases).
-            Inputs of rank 3 only.
-        cache: optional key/value cache `(batch, 2, num_key_value_heads,
-            cache_length, key_dim)` (see `get_empty_cache`, `compute_cache`).
-            Inputs of rank 3 only.
-        cache_update_index: optional int or scalar int tensor: write the new
-            keys and values into `cache` from this position; the queries sit
-            there too. Without it, `cache` holds precomputed keys and values.
-        positions: optional int tensor `(query_length,)` or
-            `(batch, query_length)`: the rotary positions of the queries (and,
-            in self-attention, of the new keys), e.g. per row for left-padded
-            prompts. Defaults to `cache_update_index` (or 0) onwards. For
-            self-attention only (no `value`, or `value` the query itself):
-            keys of another sequence sit at `cache_update_index` (or 0)
-            onwards. Needs `rope_max_wavelength`.
-        segment_ids: optional int `(batch, query_length)`: packed sequences
-            (several documents in one row). A segment is a contiguous run
-            of equal ids (an id that comes back later starts a new
-            document). A token attends only to tokens of its own segment
-            (ANDed with every other mask), and its rotary position counts
-            from its segment's start (`keras_attn.ops.segment_positions`;
-            explicit `positions` win). Padding is not special-cased (mask it
-            with a padding mask). Self-attention without a `cache` only.
-            Long sequences go in chunks, memory linear in the length,
-            except with `flash_attention=True`, which folds their `(batch,
-            1, T, T)` mask into the fused kernel's: quadratic memory.
-        mask: filled in by Keras with the query's Keras mask when the query is
-            the only tensor argument (self-attention); in self-attention it masks
-            the keys as `value_mask` does.
-
+        {attention_call_arguments}
     Returns:
         `output` `(batch, query_length, *output_shape)`, carrying the query's
         Keras mask; with `return_attention_scores=True`, `(output, scores)`,
@@ -330,33 +190,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         self._head_dim = self.key_dim or query_width // self.num_heads
         self._value_head_dim = self.value_dim or self._head_dim
         self._kv_heads = self.num_key_value_heads or self.num_heads
-        self._build_sublayers(query_width, key_shape[-1], value_shape[-1])
+        build_sublayers(self, query_width, key_shape[-1], value_shape[-1])
         self.built = True
-
-    def _build_sublayers(self, query_width, key_width, value_width):
-        heads, kv_heads = self.num_heads, self._kv_heads
-        # Keras' order (query, key, gate, value, output): the same weight list.
-        self.query_dense = projection(self, "query", query_width, heads, self._head_dim)
-        self.key_dense = projection(self, "key", key_width, kv_heads, self._head_dim)
-        self.gate_dense = None
-        if self.use_gate:
-            self.gate_dense = projection(
-                self, "gate", query_width, heads, self._value_head_dim, "sigmoid"
-            )
-        self.value_dense = projection(
-            self, "value", value_width, kv_heads, self._value_head_dim
-        )
-        self.output_dense = output_projection(self, query_width)
-        self.query_norm = self.key_norm = None
-        if self.normalize_qk:  # after Keras' sublayers: the same weights first
-            self.query_norm = head_norm(self, "query_norm")
-            self.key_norm = head_norm(self, "key_norm")
-        self._attention_dropout = keras.layers.Dropout(
-            self.dropout,
-            seed=self.seed,
-            dtype=leaf_dtype(self, "dropout"),
-            name="dropout",
-        )
 
     # --- The call -------------------------------------------------------------
 
@@ -431,27 +266,18 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         attended over; without, `cache` holds another sequence's keys and
         values (cross-attention, `compute_cache`), and nothing is written.
 
-        Args:
-            query: `(batch, length, width)`, the new tokens.
-            cache: a `keras_attn.cache` object (`DenseCache`, `Int8Cache`,
-                `RollingCache`).
-            index: int32 scalar: the position of the first new token.
-            positions: optional int `(batch, length)` or `(length,)`: the
-                rotary positions of the new tokens (with
-                `rope_max_wavelength`).
-            mask: optional bool `(batch, length, slots)` (or broadcastable):
-                the cache slots each new token sees, as `cache.mask(...)`
-                gives them.
-            calls: how sublayers are called (`SublayerCalls` of a decoding,
-                which binds each once); defaults to `call_sublayer`.
-
-        Returns:
-            `(output (batch, length, output width), cache)`.
+        `query`: `(batch, length, width)`, the new tokens; `cache`: a
+        `keras_attn.cache` object; `index`: int32 scalar, the position of the
+        first new token; `positions`: their rotary positions (`(batch,
+        length)` or `(length,)`); `mask`: the cache slots each sees (bool,
+        as `cache.mask` gives them); `calls`: how sublayers are called (a
+        decoding's `SublayerCalls`; by default `call_sublayer`). Returns
+        `(output (batch, length, output width), cache)`.
         """
         calls = calls or call_sublayer
-        q = self._heads(self.query_dense, self.query_norm, query, positions, calls)
+        q = heads(self, "query", query, positions, calls)
         if index is not None:
-            k = self._heads(self.key_dense, self.key_norm, query, positions, calls)
+            k = heads(self, "key", query, positions, calls)
             cache = cache.update(k, project(self.value_dense, query, calls), index)
         keys, values = cache.read(q.dtype)
         context = attend(
@@ -483,22 +309,11 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         query_positions, key_positions = (
             call.rope_positions() if self.rope_max_wavelength else (None, None)
         )
-        q = self._heads(
-            self.query_dense, self.query_norm, fold(call.query), query_positions
+        q = heads(self, "query", fold(call.query), query_positions)
+        k, v, cache = _attention_cache.keys_and_values(
+            self, fold(call.key), fold(call.value), call, key_positions, q.dtype
         )
-        cache, index = call.cache, call.cache_update_index
-        if cache is not None and index is None:  # keys and values precomputed
-            return (q, *_read(cache, q.dtype), cache)
-        key, value = fold(call.key), fold(call.value)
-        k = self._heads(self.key_dense, self.key_norm, key, key_positions)
-        v = project(self.value_dense, value)
-        if cache is None:
-            return q, k, v, None
-        if isinstance(cache, tuple):  # a cache object
-            cache = cache.update(k, v, index)
-        else:
-            cache = written(cache, k, v, index)
-        return (q, *_read(cache, q.dtype), cache)
+        return q, k, v, cache
 
     def _outputs(self, call, context, scores, cache):
         """The output projection (and gate), unfolded; with the scores and the
@@ -513,22 +328,6 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             outputs += (self._axes.unfold_scores(scores, query, call.key),)
         outputs += (cache,) if cache is not None else ()
         return outputs[0] if len(outputs) == 1 else outputs
-
-    def _heads(self, dense, norm, x, positions, calls=call_sublayer):
-        """Queries or keys `(B, T, heads, D)`: projected, RMS-normalized per
-        head with `normalize_qk`, then rotated to `positions` with RoPE."""
-        x = project(dense, x, calls)
-        if norm is not None:
-            x = calls(norm, x)
-        if positions is not None:
-            x = rotate(
-                x,
-                positions,
-                self.rope_max_wavelength,
-                self.rope_scaling_factor,
-                self.rope_scaling,
-            )
-        return x
 
     # --- Caches ---------------------------------------------------------------
 
@@ -568,11 +367,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         check_cacheable(self)
         check_size("batch_size", batch_size, minimum=1)
         check_positive_int("max_length", max_length)
-        dtype = dtype or self.compute_dtype
-        cache = empty_cache(
-            batch_size, self._kv_heads, max_length, self._head_dim, dtype
+        return _attention_cache.empty(
+            self, batch_size, max_length, dtype or self.compute_dtype
         )
-        return cache.kv if isinstance(cache, DenseCache) else cache
 
     def compute_cache(self, value, key=None):
         """Project `value` (and `key`) once into a key/value cache.
@@ -609,14 +406,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
 
     def compute_cache_unchecked(self, value, key=None, calls=None):
         """`compute_cache` of inputs the caller checked, of the compute dtype."""
-        calls = calls or call_sublayer
         key = value if key is None else key
-        positions = None  # the keys of another sequence sit at 0, 1, ...
-        if self.rope_max_wavelength is not None:
-            positions = ops.arange(0, ops.shape(key)[1], dtype="int32")
-        k = self._heads(self.key_dense, self.key_norm, key, positions, calls)
-        v = project(self.value_dense, value, calls)
-        return ops.transpose(ops.stack([k, v], axis=1), (0, 1, 3, 2, 4))
+        return _attention_cache.projected(self, value, key, calls or call_sublayer)
 
     # --- Keras machinery ------------------------------------------------------
 
@@ -667,12 +458,14 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         shape = self.compute_output_shape(query.shape, call.value.shape, key.shape)
         outputs = (keras.KerasTensor(shape, dtype=dtype),)
         if call.return_attention_scores:
-            key_shape = key.shape if cache is None else (key.shape[0], length(cache))
+            key_shape = (
+                key.shape if cache is None else (key.shape[0], cache_length(cache))
+            )
             axes = AttentionAxes(self.attention_axes, len(query.shape))
             scores = axes.scores_shape(query.shape, key_shape, self.num_heads)
             outputs += (keras.KerasTensor(scores, dtype=dtype),)
         if cache is not None:  # a tensor, or a cache object of tensors
-            outputs += (keras.tree.map_structure(_spec, cache),)
+            outputs += (_attention_cache.spec(cache),)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def get_config(self):
@@ -702,13 +495,3 @@ _KERAS_OBJECTS = (
     "kernel_constraint",
     "bias_constraint",
 )
-
-
-def _spec(tensor):
-    return keras.KerasTensor(tensor.shape, dtype=tensor.dtype)
-
-
-def _read(cache, dtype):
-    """A cache's keys and values `(B, K, S, D)` in `dtype`: a cache object's
-    own, or a tensor's (Keras' form)."""
-    return (cache if isinstance(cache, tuple) else DenseCache(cache)).read(dtype)

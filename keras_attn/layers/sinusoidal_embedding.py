@@ -220,6 +220,8 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
                 start_index=start_index,
                 dtype=self.compute_dtype,
             )  # (T, D), or (B, T, D) with one start per sequence
+        elif length == 1 and len(ops.shape(start_index)) == 1:  # a step: (B, 1, D)
+            positions = ops.take(table, start_index, axis=0)[:, None]
         else:
             positions = ops.take(table, position_ids(length, start_index), axis=0)
         if len(positions.shape) == 3:  # (B, 1, ..., T, D) for inputs of rank > 3

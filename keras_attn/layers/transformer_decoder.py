@@ -2,7 +2,8 @@
 
 import keras
 
-from keras_attn.layers._attention_call import cache_length
+from keras_attn.layers import _attention_cache
+from keras_attn.layers._attention_cache import cache_length
 from keras_attn.layers._block import TransformerBlock, to_bool
 from keras_attn.layers._decoder_call import DecoderCall, check_decoder_call
 from keras_attn.layers._docs import shared_docs
@@ -369,7 +370,7 @@ class TransformerDecoder(TransformerBlock):
         if args.return_attention_scores:
             outputs += [keras.KerasTensor(shape, dtype=dtype) for shape in scores]
         if self_attention_cache is not None:
-            outputs += [keras.tree.map_structure(_spec, c) for c in caches]
+            outputs += [_attention_cache.spec(c) for c in caches]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _cross_spec(self, args, batch):
@@ -381,7 +382,3 @@ class TransformerDecoder(TransformerBlock):
         attention = self.cross_attention
         shape = (batch, 2, attention._kv_heads, source, attention._head_dim)
         return source, keras.KerasTensor(shape, dtype=self.compute_dtype)
-
-
-def _spec(tensor):
-    return keras.KerasTensor(tensor.shape, dtype=tensor.dtype)

@@ -13,8 +13,10 @@ def at_least_float32(dtype):
 
 
 def cast_to(x, dtype):
-    """`x` in `dtype`: itself where it is already (a no-op cast still costs
-    an op on PyTorch's eager steps)."""
+    """`x` as a tensor of `dtype` (`keras.ops.cast`): a tensor already of it
+    as it is (a no-op cast still costs an op on PyTorch's eager steps)."""
+    if not ops.is_tensor(x):
+        return ops.convert_to_tensor(x, dtype)
     if keras.backend.standardize_dtype(x.dtype) == keras.backend.standardize_dtype(
         dtype
     ):

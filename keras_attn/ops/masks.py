@@ -14,6 +14,7 @@ from keras_attn._checks import (
     check_size,
 )
 from keras_attn.ops.constants import constant
+from keras_attn.ops.dtypes import cast_to
 from keras_attn.ops.positions import segment_runs
 
 __all__ = [
@@ -274,7 +275,7 @@ def merge_attention_masks(*masks):
            [1, 1, 0],
            [1, 1, 0]])
     """
-    masks = [ops.cast(mask, "bool") for mask in masks if mask is not None]
+    masks = [cast_to(mask, "bool") for mask in masks if mask is not None]
     for mask in masks:
         if len(mask.shape) not in (2, 3, 4):
             raise ValueError(

@@ -122,7 +122,7 @@ def left_padded(pads=PADS, length=LONG):
 def test_dense_mask_equals_the_positions_reference(index, count, padded, window, sinks):
     cache = DenseCache.empty(B, H, LONG, D)
     real = left_padded() if padded else None
-    mask = to_numpy(cache.mask(index, count, real, window, sinks))
+    mask = to_numpy(cache.mask(index, count, real, window, sinks))[:, 0]
     expected = visible_positions_reference(index, count, LONG, real, window, sinks)
     assert mask.dtype == bool and mask.shape[-2:] == (count, LONG)
     np.testing.assert_array_equal(np.broadcast_to(mask, expected.shape), expected)
@@ -130,7 +130,7 @@ def test_dense_mask_equals_the_positions_reference(index, count, padded, window,
 
 def test_dense_mask_counts_sinks_from_each_rows_first_real_position():
     cache = DenseCache.empty(B, H, LONG, D)
-    mask = to_numpy(cache.mask(10, 1, left_padded(), window=2, sinks=2))
+    mask = to_numpy(cache.mask(10, 1, left_padded(), window=2, sinks=2))[:, 0]
     assert [np.flatnonzero(row[0]).tolist() for row in mask] == [
         [0, 1, 9, 10],
         [3, 4, 9, 10],
@@ -139,7 +139,7 @@ def test_dense_mask_counts_sinks_from_each_rows_first_real_position():
 
 def test_dense_mask_takes_a_tensor_index():
     cache = DenseCache.empty(B, H, LONG, D)
-    mask = to_numpy(cache.mask(tensor(6, "int32"), 1, left_padded(), 3, 1))
+    mask = to_numpy(cache.mask(tensor(6, "int32"), 1, left_padded(), 3, 1))[:, 0]
     expected = visible_positions_reference(6, 1, LONG, left_padded(), 3, 1)
     np.testing.assert_array_equal(mask, expected)
 
@@ -214,9 +214,9 @@ def check_rolling_step(rolling, dense, index, real):
     dense cache shows it under the window and sinks, and each slot holds the
     position `positions` says."""
     position = tensor(index, "int32")
-    shown = to_numpy(rolling.mask(position, 1, tensor(real)))[:, 0]  # (B, S + W)
+    shown = to_numpy(rolling.mask(position, 1, tensor(real)))[:, 0, 0]  # (B, S + W)
     held = to_numpy(rolling.positions(position))  # (B, S + W)
-    expected = to_numpy(dense.mask(position, 1, tensor(real), WINDOW, SINKS))
+    expected = to_numpy(dense.mask(position, 1, tensor(real), WINDOW, SINKS))[:, 0]
     expected = np.broadcast_to(expected, (len(real), 1, STEPS))[:, 0]
     for ours, theirs in zip(
         map(to_numpy, rolling.read("float32")),
@@ -281,7 +281,7 @@ def test_rolling_cache_sees_a_sink_arriving_after_the_prompt():
     for index in range(4, 10):
         at = slice(index, index + 1)
         rolling = rolling.update(keys[:, at], keys[:, at], index)
-    shown = to_numpy(rolling.mask(9, 1, tensor(left_padded(ROLL_PADS, STEPS))))
+    shown = to_numpy(rolling.mask(9, 1, tensor(left_padded(ROLL_PADS, STEPS))))[:, 0]
     held = to_numpy(rolling.positions(9))
     seen = [sorted(held[row][shown[row, 0]].tolist()) for row in range(3)]
     assert seen == [[0, 1, 6, 7, 8, 9], [3, 4, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9]]

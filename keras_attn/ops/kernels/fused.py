@@ -23,14 +23,16 @@ def attention(query, key, value, mask, bias, is_causal, plan, options):
 
     A causal mask the plan does not leave to the kernel is folded into the
     mask, and the mask into the bias where there is one (the kernels take one
-    of them); rows that the mask leaves empty give zeros.
+    of them); rows that the mask leaves empty give zeros (on PyTorch, for a
+    mask, the bridge's own torch calls do it: `torch_sdpa`).
     """
     key_axis, head_axis = (2, 1) if options.heads_major else (1, 2)
     if is_causal and not plan.is_causal:
         length, key_length = ops.shape(query)[1], ops.shape(key)[key_axis]
         mask = merge_attention_masks(mask, causal(length, key_length))
     has_key = None
-    if mask is not None:
+    torch_mask = keras.config.backend() == "torch" and bias is None
+    if mask is not None and not torch_mask:
         mask, has_key = open_empty_rows(mask)
     if bias is not None:
         bias, mask = _bias_with_mask(bias, mask, query.dtype), None

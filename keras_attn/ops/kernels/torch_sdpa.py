@@ -25,6 +25,7 @@ rules out the composite kernel: a fused kernel runs, or a `ValueError` says
 why none can.
 """
 
+import torch
 from torch.nn import functional
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -51,11 +52,17 @@ def attention(
     by `scale`.
 
     `mask` is `None`, a bool mask or a float bias, of rank 4 and broadcastable
-    to `(B, H, T, S)`. Returns `(B, T, H, Dv)`.
+    to `(B, H, T, S)`. A query row that a bool mask leaves without a key
+    attends to nothing: zeros (torch's kernels would give NaN, or zeros).
+    Returns `(B, T, H, Dv)`.
     """
     query = query.transpose(1, 2)  # (B, H, T, D)
     if not heads_major:
         key, value = key.transpose(1, 2), value.transpose(1, 2)  # (B, K, S, D)
+    rows = None
+    if mask is not None and mask.dtype == torch.bool:  # open empty rows
+        rows = mask.any(-1, keepdim=True)  # (B, 1|H, T, 1)
+        mask = mask | ~rows
     arguments = {
         "attn_mask": mask,
         "is_causal": is_causal,
@@ -72,6 +79,8 @@ def attention(
             )
     else:
         output = functional.scaled_dot_product_attention(query, key, value, **arguments)
+    if rows is not None:  # a Python zero: no tensor made from host memory
+        output = torch.where(rows, output, 0.0)
     return output.transpose(1, 2)  # (B, T, H, Dv)
 
 
