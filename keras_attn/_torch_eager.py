@@ -84,6 +84,48 @@ def projection(x, kernel, bias=None, equation=None):
     return y if bias is None else torch.add(y, bias)
 
 
+def bound_projection(kernel, bias=None, equation=None):
+    """`projection(x, kernel, bias, equation)` as a function of `x`, what
+    depends on the weights alone decided once (a decoding binds its
+    projections so: `layers/_lean_call.py`): for an `x` of the kernel's
+    dtype and device and the shape the equation folds, the same `torch.mm`
+    of views and `torch.add`; for any other, `projection` itself. `None`
+    where `projection` would give `None` for any `x`."""
+    dtype = kernel.dtype
+    if dtype not in FLOATS or (dtype == _HALF and equation is None):
+        return None  # Keras' own call: float64, a float16 matmul
+    if bias is not None and (bias.dtype != dtype or bias.device != kernel.device):
+        return None
+    form = (1, None) if equation is None else _matmul_form(equation)
+
+    def general(x):
+        return projection(x, kernel, bias, equation)
+
+    if dtype == _HALF or form is None or (equation is None and kernel.dim() != 2):
+        return general
+    contracted, rank = form
+    inner = tuple(kernel.shape[:contracted])
+    size, free = math.prod(inner), tuple(kernel.shape[contracted:])
+    matrix = (size, math.prod(free))
+
+    def call(x):
+        kept = x.shape[: x.dim() - contracted]
+        if (
+            x.dtype != dtype
+            or x.device != kernel.device
+            or (rank is not None and x.dim() != rank)
+            or not kept
+            or tuple(x.shape[x.dim() - contracted :]) != inner
+            or (contracted == 1 and not _folds(x, kernel))
+        ):
+            return general(x)
+        rows = _flat(x, (math.prod(kept), size))
+        y = torch.mm(rows, _flat(kernel, matrix)).view(*kept, *free)
+        return y if bias is None else torch.add(y, bias)
+
+    return call
+
+
 @functools.lru_cache(maxsize=64)
 def _matmul_form(equation):
     """`(contracted axes, input rank or None with an ellipsis)` for an

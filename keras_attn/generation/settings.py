@@ -74,6 +74,12 @@ class Settings:
             raise ValueError(
                 f"`method` must be one of {METHODS}. Received: method={method!r}."
             )
+        if cache_dtype is not None and not isinstance(cache_dtype, str):
+            raise TypeError(
+                f"`cache_dtype` must be None or one of {list(CACHE_DTYPES[1:])}. "
+                f"Received: cache_dtype={cache_dtype!r} of type "
+                f"{type(cache_dtype).__name__}."
+            )
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(
                 f"`cache_dtype` must be one of {list(CACHE_DTYPES)}. "

@@ -33,6 +33,8 @@ own `kernel` property, LoRA included.
 
 import keras
 
+from keras_attn.ops.dtypes import dtype_name
+
 try:  # Keras' autocast scope: no public way to ask for it (Keras 3.15).
     from keras.src.backend.common.variables import get_autocast_scope
 except ImportError:  # another Keras: every sublayer through `__call__`
@@ -206,15 +208,22 @@ def _bind_dense(layer, equation=None):
     """`Dense.call` (`EinsumDense.call` with `equation`) as a function of
     its input, returning `None` where Keras' own call must run."""
     bias = None if layer.bias is None else _value(layer.bias)
-    kernel = _value(layer._kernel) if _plain_kernel(layer) else None
+    if _plain_kernel(layer):
+        project = torch_eager.bound_projection(_value(layer._kernel), bias, equation)
+        if project is None:
+            return None
+    else:  # the layer's own `kernel` property, asked at each call
 
-    def call(x):  # else the layer's `kernel` property, asked at each call
-        y = torch_eager.projection(
-            x, layer.kernel if kernel is None else kernel, bias, equation
-        )
-        if y is None or layer.activation is None:
-            return y
-        return layer.activation(y)
+        def project(x):
+            return torch_eager.projection(x, layer.kernel, bias, equation)
+
+    activation = layer.activation
+    if activation is None or activation is keras.activations.linear:
+        return project
+
+    def call(x):
+        y = project(x)
+        return y if y is None else activation(y)
 
     return call
 
@@ -246,7 +255,7 @@ def _bind_layer_norm(layer):
     def call(x):
         if layer.axis not in ([-1], [x.dim() - 1]):
             return None
-        if keras.backend.standardize_dtype(x.dtype) != dtype:
+        if dtype_name(x.dtype) != dtype:
             return None  # Keras casts the output to the compute dtype
         return torch_eager.layer_norm(x, gamma, beta, layer.epsilon)
 

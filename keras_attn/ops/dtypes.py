@@ -1,6 +1,8 @@
 """The dtypes attention computes in: logits and softmax at least in float32;
 positions and indices in int32."""
 
+import functools
+
 import keras
 from keras import ops
 
@@ -12,16 +14,20 @@ def at_least_float32(dtype):
     )
 
 
+@functools.cache
+def dtype_name(dtype):
+    """Keras' name of a dtype (`keras.backend.standardize_dtype`), found once
+    per dtype: Keras' function costs microseconds of attribute checks, a
+    decoding step asks it dozens of times."""
+    return keras.backend.standardize_dtype(dtype)
+
+
 def cast_to(x, dtype):
     """`x` as a tensor of `dtype` (`keras.ops.cast`): a tensor already of it
     as it is (a no-op cast still costs an op on PyTorch's eager steps)."""
     if not ops.is_tensor(x):
         return ops.convert_to_tensor(x, dtype)
-    if keras.backend.standardize_dtype(x.dtype) == keras.backend.standardize_dtype(
-        dtype
-    ):
-        return x
-    return ops.cast(x, dtype)
+    return x if dtype_name(x.dtype) == dtype_name(dtype) else ops.cast(x, dtype)
 
 
 def int32(index):

@@ -95,6 +95,8 @@ GENERATE_ROWS = [
     generate_row({"max_length": 4.0}, TypeError, r"max_length=4.0 of type float"),
     generate_row({"max_length": 2}, ValueError, r"max_length=2, prompt length=3"),
     generate_row({"method": "topk"}, ValueError, r"`method` must be one of.*'topk'"),
+    generate_row({"cache_dtype": "int4"}, ValueError, r"`cache_dtype`.*'int4'"),
+    generate_row({"cache_dtype": 8}, TypeError, r"cache_dtype=8 of type int"),
     generate_row({"temperature": 0}, ValueError, r"temperature=0"),
     generate_row({"temperature": -1.0}, ValueError, r"temperature=-1.0"),
     generate_row({"temperature": "hot"}, TypeError, r"temperature='hot'"),

@@ -178,8 +178,16 @@ def torch_calls(monkeypatch):
 
         return spy
 
-    for name in ("projection", "layer_norm", "rms_norm"):
+    for name in ("layer_norm", "rms_norm"):
         monkeypatch.setattr(torch_eager, name, spied(name, getattr(torch_eager, name)))
+    # Every projection goes through a bound one (which may call `projection`).
+    bind = torch_eager.bound_projection
+
+    def bound(*arguments):  # its functions' calls count as projections
+        call = bind(*arguments)
+        return None if call is None else spied("projection", call)
+
+    monkeypatch.setattr(torch_eager, "bound_projection", bound)
     return calls
 
 
@@ -197,7 +205,7 @@ def test_keras_own_sublayers_run_as_their_torch_calls(
     policy, normalization, lean_calls, torch_calls, monkeypatch
 ):
     """On PyTorch the lean path runs Keras' own projections and norms as the
-    torch calls their `call` makes (ops/kernels/torch_eager.py), with
+    torch calls their `call` makes (keras_attn/_torch_eager.py), with
     Keras' numbers and gradients bit for bit; Keras computes a float16
     matmul in float32 on a CPU, so the feed-forward's `Dense` keeps its call
     there; Keras 3.15 computes float64 in float32, so float64 keeps Keras'
