@@ -220,6 +220,24 @@ def rms_norm(x, scale, epsilon):
     return _as(functional.rms_norm(y, y.shape[-1:], scale, epsilon), x.dtype)
 
 
+def quantize(x):
+    """`keras_attn.cache.quantize` as torch calls (the same ones Keras' ops
+    make, without their dispatch): int8 `q` and float32 `scale` with `x ~ q
+    * scale`."""
+    x = _as(x, torch.float32)
+    scale = x.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.round(x / torch.where(scale > 0, scale, 1.0))
+    return q.to(torch.int8), scale
+
+
+def dequantize(values, scale, dtype):
+    """`values` (int8) times `scale` (float32, broadcast), in `dtype`: the
+    int8 cache's read as one torch multiply, which casts the int8 operand as
+    it reads it (no float32 copy of the cache made first, as `keras.ops.cast`
+    then `multiply` make)."""
+    return _as(torch.mul(values, scale), getattr(torch, dtype))
+
+
 def embedding(ids, table, dtype):
     """`keras.ops.take(table, ids, axis=0)` in `dtype` (a Keras dtype name):
     the lookup Keras' `Embedding.call` makes, negative ids counted from the

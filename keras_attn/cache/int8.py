@@ -3,10 +3,16 @@ inside the step that reads them."""
 
 import collections
 
+import keras
 from keras import ops
 
 from keras_attn.cache import _slots
-from keras_attn.ops.dtypes import cast_to
+from keras_attn.ops.dtypes import cast_to, dtype_name
+
+if keras.config.backend() == "torch":
+    from keras_attn import _torch_eager
+else:
+    _torch_eager = None
 
 
 class Int8Cache(_slots.Linear, collections.namedtuple("Int8Cache", ["kv", "scale"])):
@@ -60,7 +66,7 @@ class Int8Cache(_slots.Linear, collections.namedtuple("Int8Cache", ["kv", "scale
     def read(self, dtype):
         """`(keys, values)`, each `(batch, kv_heads, length, head_dim)`,
         dequantized in float32 and then cast to `dtype`."""
-        kv = cast_to(ops.cast(self.kv, "float32") * self.scale, dtype)
+        kv = _dequantize(self.kv, self.scale, dtype_name(dtype))
         return kv[:, 0], kv[:, 1]
 
     def take(self, positions):
@@ -77,6 +83,14 @@ class Int8Cache(_slots.Linear, collections.namedtuple("Int8Cache", ["kv", "scale
             _slots.blend(self.kv, arrives, keys, values),
             _slots.blend(self.scale, arrives, key_scale, value_scale),
         )
+
+
+def _dequantize(values, scale, dtype):
+    """`values * scale` in float32, then in `dtype`: on PyTorch one multiply
+    that casts as it reads (`_torch_eager.dequantize`)."""
+    if _torch_eager is not None:
+        return _torch_eager.dequantize(values, scale, dtype)
+    return cast_to(ops.cast(values, "float32") * scale, dtype)
 
 
 def quantize(x):

@@ -4,6 +4,7 @@ PyTorch, a Python loop over one step, compiled once per shape)."""
 
 import contextlib
 import functools
+import time
 
 import keras
 import numpy as np
@@ -64,7 +65,9 @@ class Generator(keras.Model):
         tokens `(batch,)`, from a Python loop (so not inside `predict`).
         """
         segments = _segments(self.width + 1, self.length)
-        if isinstance(self.adapter, FunctionAdapter) or self.forms is not None:
+        if isinstance(self.adapter, FunctionAdapter) or (
+            self.forms is not None and self.forms.jit_compile is True
+        ):
             segments = [self.length]  # PyTorch: one compile per `generate` shape
         sources = numbered(inputs, "encoder_")
         pads = ops.cast(inputs["pads"], "int32")
@@ -76,11 +79,19 @@ class Generator(keras.Model):
             self._initial_state(inputs["prompt"], pads, logits, model)
         )
         numbers = {key: inputs[key] for key in NUMBERS}
+        pace = _Pace(self.forms, _shape_of(inputs))
         with self._steps_held():
             for i, size in enumerate(segments):
+                if pace.compiles(state, self.length):  # the rest, compiled
+                    state["model"] = self.adapter.grow(state["model"], self.length)
+                    step = self._compiled(state, numbers, calls, pace.key)
+                    state = self._python_loop(state, self.length, step, on_token)
+                    break
                 if i > 0:
                     state["model"] = self.adapter.grow(state["model"], size)
+                timing = pace.start(state)
                 state = self._segment(state, size, numbers, on_token, calls)
+                pace.stop(state, timing)
             results = self.strategy.finish(state, numbers)
             if self.forms is not None:  # off the compiled step's buffers,
                 results = [None if r is None else ops.copy(r) for r in results]
@@ -120,20 +131,19 @@ class Generator(keras.Model):
 
         if on_token is None and self.jit_compile:  # JAX, TensorFlow
             return ops.while_loop(running, body, state)
-        return self._python_loop(state, size, numbers, on_token, calls)
+        return self._python_loop(state, size, body, on_token)
 
-    def _python_loop(self, state, size, numbers, on_token, calls):
-        """The segment's steps from Python (PyTorch, or to call `on_token`):
-        the index is a Python int. `done` is read back once per step where
-        end tokens can finish rows early; otherwise a step reads nothing back
-        to the host."""
-        step = self._stepper(state, numbers, calls)
+    def _python_loop(self, state, size, step, on_token):
+        """`step(state)` from Python to `size` (PyTorch, or to call
+        `on_token`): the index is a Python int. `done` is read back once per
+        step where end tokens can finish rows early; otherwise a step reads
+        nothing back to the host."""
         index = int(ops.convert_to_numpy(state["index"]))
         ends = bool(self.settings.end_token_ids)
         while index < size and not (
             ends and ops.convert_to_numpy(ops.all(state["done"]))
         ):
-            state = step(state, size - index)
+            state = step(state)
             if on_token is not None:
                 on_token(
                     index - self.width, ops.convert_to_numpy(state["tokens"])[:, index]
@@ -146,22 +156,20 @@ class Generator(keras.Model):
         one decoding at a time may use them (`StepForms.held`)."""
         return contextlib.nullcontext() if self.forms is None else self.forms.held()
 
-    def _stepper(self, state, numbers, calls):
-        """`step(state, remaining steps)` for a segment: eager, or on PyTorch
-        the form `StepForms` gives (compiled once per `generate` shape: one
-        segment, the whole length)."""
-        step = functools.partial(self._step, calls=calls)  # (state, numbers)
-        if self.forms is None:
-            return lambda state, remaining: step(state, numbers)
+    def _compiled(self, state, numbers, calls, key):
+        """PyTorch: `step(state)`, the step compiled once per `generate`
+        shape (`key`) over the whole length: by Inductor, or as a CUDA graph
+        where `"auto"` chose one (on a GPU)."""
 
-        def make(form, state):
+        def make(form):
             from keras_attn.generation import _torch
 
             build = _torch.capture_step if form == "graph" else _torch.compile_step
+            step = functools.partial(self._step, calls=calls)
             return build(step, self.decoding_layers, state, numbers)
 
-        key = shapes_key(state)  # the source's length too
-        return self.forms.stepper(key, numbers, step, make, _form(state))
+        compiled = self.forms.compiled_step(key, make, _form(state))
+        return lambda state: compiled(state, numbers)
 
     def _step(self, state, numbers, calls):
         """Choose and write one token per row, then run the model on it."""
@@ -223,6 +231,47 @@ class Generator(keras.Model):
         if self.write_in_place is not None:
             return self.write_in_place(buffer, column[:, None], index)
         return ops.slice_update(buffer, [0, index], column[:, None])
+
+
+class _Pace:
+    """The eager pace of a PyTorch decoding, timed segment by segment, and
+    whether the rest of it runs compiled (`StepForms.compiles`)."""
+
+    def __init__(self, forms, key):
+        self.forms, self.key = forms, key
+        self.seconds_per_step = None
+
+    def compiles(self, state, length):
+        if self.forms is None:
+            return False
+        remaining = length - _index(state)
+        return self.forms.compiles(
+            self.key, remaining, self.seconds_per_step, _form(state)
+        )
+
+    def start(self, state):
+        """`(index, time)` as a segment of eager steps begins."""
+        if self.forms is None:
+            return None
+        return _index(state), time.perf_counter()
+
+    def stop(self, state, timing):
+        """The segment begun at `timing` ended: its time is spent."""
+        if timing is None:
+            return
+        seconds, steps = time.perf_counter() - timing[1], _index(state) - timing[0]
+        self.forms.spend(self.key, seconds)
+        self.seconds_per_step = seconds / max(steps, 1)
+
+
+def _index(state):
+    return int(ops.convert_to_numpy(state["index"]))
+
+
+def _shape_of(inputs):
+    """What a compiled PyTorch step is made for: the shapes of the inputs
+    (batch, prompt width, encoder inputs)."""
+    return tuple((name, tuple(value.shape)) for name, value in sorted(inputs.items()))
 
 
 def _form(state):

@@ -6,13 +6,14 @@ Compiling a step costs once (on a GPU an export and a capture, seconds; on a
 CPU an export and Inductor's C++ build, tens of seconds), and then every
 step of its shape is cheaper. `"auto"` rents before it buys, the ski-rental
 rule (which never pays more than twice what knowing the future would cost):
-a shape's steps run eagerly, timed, until the eager time spent on that shape
-over every call, with what the call's remaining steps would take eagerly,
-reaches what compiling costs; then the shape is compiled, in the middle of a
-call if need be, and stays compiled. The form is graph capture on a GPU and
-Inductor elsewhere. What compiling costs is measured: the first compile of
-each form in a process sets it (a fact of the machine); before one, an
-estimate (`ESTIMATES`).
+a shape's steps run eagerly, over cache segments that grow with what is
+written (64, 128, ... positions), timed, until the eager time spent on that
+shape over every call, with what the call's remaining steps would take at
+the last segment's pace, reaches what compiling costs; then, at the next
+segment, the shape is compiled (over the whole length) and stays compiled.
+The form is graph capture on a GPU and Inductor elsewhere. What compiling
+costs is measured: the first compile of each form in a process sets it (a
+fact of the machine); before one, an estimate (`ESTIMATES`).
 """
 
 import contextlib
@@ -27,8 +28,9 @@ _MEASURED = {}  # form -> the seconds its last compile took in this process
 
 
 class StepForms:
-    """A generator's compiled steps on PyTorch, by shape, and the choice of
-    form. `jit_compile`: `True` (Inductor from the first step) or `"auto"`.
+    """A generator's compiled steps on PyTorch, by `generate` shape (batch
+    and encoder inputs), and the choice of form. `jit_compile`: `True`
+    (Inductor from the first step) or `"auto"`.
 
     A compiled step keeps its state in buffers of its own (the caches in
     place): one decoding at a time may use them (`held`).
@@ -38,6 +40,7 @@ class StepForms:
         self.jit_compile = jit_compile
         self.compiled, self.spent = {}, {}  # by shape: steps, eager seconds
         self._lock = threading.Lock()
+        self._taken = False
 
     def held(self):
         """A context for one decoding: with `jit_compile=True` it holds the
@@ -53,32 +56,41 @@ class StepForms:
                     "it, or pass jit_compile=False."
                 )
             stack.callback(self._lock.release)
-            return stack
-        self._taken = False
-        stack.callback(self._release)
+        else:
+            stack.callback(self._release)
         return stack
 
-    def stepper(self, key, numbers, eager, make, form):
-        """The step of a decoding for a segment of shapes `key`:
-        `step(state, remaining)`. `eager(state, numbers)` is the eager step,
-        `make(form, state)` compiles one, `compiled(state, numbers)`
-        (`"graph"` or `"inductor"`), for the shapes of `state`; `form` is
-        what `"auto"` compiles to. The compiled steps are kept for the
-        generator's later decodings, whose `numbers` they are given."""
+    def compiles(self, key, remaining, seconds_per_step, form):
+        """Whether the rest of a decoding of shape `key` runs compiled:
+        always with `jit_compile=True`; with `"auto"`, where a step of that
+        shape is compiled already, or compiling `form` now costs no more
+        than the eager time the shape has cost and would cost over the
+        `remaining` steps (`seconds_per_step`: the eager pace, `None` before
+        one is measured). A compiled step is used by one decoding at a time:
+        another one goes on eagerly."""
         if self.jit_compile is True:
-            return lambda state, remaining: self._compiled(key, make, state)(
-                state, numbers
-            )
-        return _Rented(self, key, numbers, eager, make, form)
+            return True
+        expected = self.spent.get(key, 0.0) + remaining * (seconds_per_step or 0.0)
+        wanted = key in self.compiled or (
+            seconds_per_step is not None and expected >= cost(form)
+        )
+        return wanted and self._take()
 
-    def _compiled(self, key, make, state):
+    def spend(self, key, seconds):
+        """`seconds` of eager steps spent on shape `key`."""
+        self.spent[key] = self.spent.get(key, 0.0) + seconds
+
+    def compiled_step(self, key, make, form):
+        """The compiled step of shape `key` (`make(form)` at the first call),
+        its first compile timed (Inductor builds at its first call: `timed`
+        wraps it)."""
         if key not in self.compiled:
-            self.compiled[key] = make("inductor", state)
+            start = time.perf_counter()
+            step = make(form)
+            self.compiled[key] = _Timed(step, form, start)
         return self.compiled[key]
 
     def _take(self):
-        """Whether this decoding may use the compiled steps' buffers (no
-        other decoding holds them)."""
         if not self._taken:
             self._taken = self._lock.acquire(blocking=False)
         return self._taken
@@ -89,33 +101,17 @@ class StepForms:
             self._taken = False
 
 
-class _Rented:
-    """Eager steps, timed, until compiling the shape is worth what it costs
-    (the module docstring); then its compiled step."""
+class _Timed:
+    """A compiled step whose first call ends its compile's timing."""
 
-    def __init__(self, forms, key, numbers, eager, make, form):
-        self.forms, self.key, self.numbers = forms, key, numbers
-        self.eager, self.make, self.form = eager, make, form
-        self.timed, self.compiling = 0, None  # eager steps timed; when it began
+    def __init__(self, step, form, start):
+        self.step, self.form, self.start = step, form, start
 
-    def __call__(self, state, remaining):
-        compiled = self.forms.compiled.get(self.key)
-        if compiled is not None and self.forms._take():
-            state = compiled(state, self.numbers)
-            if self.compiling is not None:  # Inductor builds at the first call
-                _MEASURED[self.form] = time.perf_counter() - self.compiling
-                self.compiling = None
-            return state
-        start = time.perf_counter()
-        state = self.eager(state, self.numbers)
-        seconds = time.perf_counter() - start
-        self.timed += 1
-        if self.timed > 1:  # the first step binds the sublayers' calls
-            spent = self.forms.spent.get(self.key, 0.0) + seconds
-            self.forms.spent[self.key] = spent
-            if compiled is None and spent + remaining * seconds >= cost(self.form):
-                self.compiling = time.perf_counter()
-                self.forms.compiled[self.key] = self.make(self.form, state)
+    def __call__(self, state, numbers):
+        state = self.step(state, numbers)
+        if self.start is not None:
+            _MEASURED[self.form] = time.perf_counter() - self.start
+            self.start = None
         return state
 
 

@@ -162,24 +162,23 @@ def test_auto_captures_a_cuda_graph_once_eager_steps_cost_more(
     captured_graphs, monkeypatch
 ):
     """`jit_compile="auto"` on a GPU (held to CUDA graph capture's rules on a
-    CPU): eager steps, timed, until they have cost what a capture does (here
-    nothing), then the step captured in the middle of the call and replayed;
-    the next call replays from its first step. The tokens of eager
-    decoding, greedy and sampled."""
+    CPU): eager steps over the first cache segment (64 positions), timed;
+    they have cost what a capture does (here nothing), so the rest of the
+    call runs captured, over the whole length; the next call replays from
+    its first step. The tokens of eager decoding, greedy and sampled."""
     from keras_attn.generation import tiers
 
     monkeypatch.setattr(tiers, "cost", lambda form: 0.0)
     monkeypatch.setattr(tiers, "_MEASURED", {})  # this test's own measures
     model = decoder_only_model(VOCAB, WIDTH, num_key_value_heads=2)
     for kwargs in ({"method": "sample", "seed": 3, "top_k": 4}, {}):
-        auto = generate(model, PROMPTS, 40, **kwargs)
-        eager = generate(model, PROMPTS, 40, jit_compile=False, **kwargs)
+        auto = generate(model, PROMPTS, 80, **kwargs)
+        eager = generate(model, PROMPTS, 80, jit_compile=False, **kwargs)
         np.testing.assert_array_equal(auto, eager)
-    np.testing.assert_array_equal(generate(model, PROMPTS, 40), eager)
+    np.testing.assert_array_equal(generate(model, PROMPTS, 80), eager)
     greedy = captured_graphs.graphs[-1]
-    # 36 steps a call: two eager (the first binds, the second is timed), 34
-    # replays; then 36 replays.
-    assert len(captured_graphs.graphs) == 2 and greedy.replays == 34 + 36
+    # 76 steps a call: 60 eager (to position 64), 16 replays; then 76.
+    assert len(captured_graphs.graphs) == 2 and greedy.replays == 16 + 76
 
 
 def test_auto_stays_eager_while_a_compile_costs_more(captured_graphs, monkeypatch):
