@@ -34,10 +34,9 @@ An einsum that is a matmul of flattened axes (every projection of
 `MultiHeadAttention`; each letter once, shapes that torch's einsum takes)
 runs as that matmul, and so does a `Dense` matmul: one `torch.mm` of views
 of the input and kernel. Autograd then records one product, not torch
-einsum's permutes and batched matmul (a projection's forward and backward in
-half the time on a CPU, at a block's small shapes), and a projection with
-its bias takes 8 aten ops rather than 15 (13 projections in a decoding
-step). Other equations, shapes that torch's einsum refuses, and inputs that
+einsum's permutes and batched matmul, and a projection with its bias takes
+about half the aten ops (`benchmarks/results/torch_overhead.md`). Other
+equations, shapes that torch's einsum refuses, and inputs that
 torch's matmul would take as a batched product go to Keras' torch call.
 
 The numbers are Keras' own on a CPU, bit for bit at a block's shapes

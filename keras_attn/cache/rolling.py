@@ -7,6 +7,7 @@ import collections
 from keras import ops
 
 from keras_attn.cache import _slots
+from keras_attn.ops.constants import constant
 from keras_attn.ops.dtypes import int32
 
 
@@ -41,12 +42,10 @@ class RollingCache(collections.namedtuple("RollingCache", ["slots", "sinks"])):
         # Ring slot j holds the position p with p % window == j.
         ring = [width - window + (j - width) % window for j in range(window)]
         held = _sink_positions(pads, sinks)  # (B, s)
+        ring = constant(ring, "int32", held)[None]  # (1, w)
+        batch = ops.shape(pads)[0]
         positions = ops.concatenate(
-            [
-                held,
-                ops.broadcast_to(_constant(ring, held), (ops.shape(pads)[0], window)),
-            ],
-            axis=1,
+            [held, ops.broadcast_to(ring, (batch, window))], axis=1
         )
         at = ops.clip(positions, 0, cache.length - 1)
         return cls(cache.take(at), held)
@@ -110,9 +109,3 @@ class RollingCache(collections.namedtuple("RollingCache", ["slots", "sinks"])):
 def _sink_positions(pads, sinks):
     """int32 `(B, s)`: each row's first `s` real positions."""
     return ops.cast(pads, "int32")[:, None] + ops.arange(0, sinks, dtype="int32")
-
-
-def _constant(values, like):
-    from keras_attn.ops.constants import constant
-
-    return constant(values, "int32", like)

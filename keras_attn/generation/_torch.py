@@ -219,8 +219,8 @@ def _contiguous(leaves):
     Dynamo guards a compiled function on its inputs' strides: the first step
     reads the prefill's last logits as a view of all its logits (strides of
     `(prompt, vocabulary)` rows), the next ones a step's own, and that
-    recompiled the step at its second call (as long as the first, 14 s on a
-    CPU)."""
+    recompiled the step at its second call (a second compile as long as the
+    first)."""
     return [leaf.contiguous() for leaf in leaves]
 
 

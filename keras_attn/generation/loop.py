@@ -290,9 +290,9 @@ def is_end_token(tokens, end_token_ids):
 
 @functools.lru_cache(maxsize=16)
 def _end_token_mask(vocabulary_size, end_token_ids):
-    """The numpy mask of `Generator._end_tokens`, made once (an eager step
-    would spend 50-80 us on `np.isin` of the whole vocabulary); read-only,
-    as it is shared."""
+    """The numpy mask of `Generator._end_tokens`, made once (not an
+    `np.isin` of the whole vocabulary at every eager step); read-only, as it
+    is shared."""
     mask = np.isin(np.arange(vocabulary_size), end_token_ids)
     mask.flags.writeable = False
     return mask

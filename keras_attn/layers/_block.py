@@ -264,8 +264,8 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         """Dropout where it drops something: in training with a rate > 0.
 
         Elsewhere `Dropout` returns its input, and its call is still a Keras
-        layer call, about 0.1 ms of Python each (three per encoder step, on
-        PyTorch's eager steps, where Python bounds small blocks).
+        layer call, Python that bounds a small block's eager step on
+        PyTorch.
         """
         if self.dropout and training:
             return call_sublayer(self._dropout_layer, x, training=training)

@@ -1,13 +1,14 @@
 """Calling a built Keras sublayer from inside its parent's `call`, without
 the cost of `Layer.__call__` where that costs nothing but time.
 
-On PyTorch's eager steps Python bounds a block, and `Layer.__call__` (about
-80 us a call on a CPU, nine calls a block) is half of a small block's
-forward. Inside a parent's `call`, for a built sublayer, most of its work
-is already done or does nothing: the parent's call context holds
-`training`, the inputs are checked and of the compute dtype, the outputs'
-Keras masks are never read. `call_sublayer` runs the sublayer's `call`
-directly where `__call__` would do nothing else, and `__call__` otherwise:
+On PyTorch's eager steps Python bounds a block, and `Layer.__call__` (nine
+calls a block) is about half of a small block's forward
+(`benchmarks/results/torch_overhead.md`). Inside a parent's `call`, for a
+built sublayer, most of its work is already done or does nothing: the
+parent's call context holds `training`, the inputs are checked and of the
+compute dtype, the outputs' Keras masks are never read. `call_sublayer`
+runs the sublayer's `call` directly where `__call__` would do nothing else,
+and `__call__` otherwise:
 
 - a quantized sublayer (`__call__` dispatches to `quantized_call`), one
   under a `RematScope`, or one with an activity regularizer;
@@ -231,7 +232,7 @@ def _bind_dense(layer, equation=None):
 def _plain_kernel(layer):
     """Whether the layer's kernel is its variable `_kernel` (Keras 3.15's
     name) as it is: Keras' own property returns it so without LoRA (after
-    about 3 us of checks on PyTorch), adds the adapters with it; a
+    checks that a decoding need not repeat), adds the adapters with it; a
     subclass's own property is asked."""
     return (
         type(layer).kernel in _KERAS_KERNELS

@@ -13,9 +13,9 @@ def constant(values, dtype, like):
     """`values`, a list or tuple of Python numbers, as a tensor of `dtype` on
     the device of the tensor `like`: `keras.ops.convert_to_tensor(values,
     dtype)`. On PyTorch that walks the sequence through Keras' tree utilities
-    element by element (about 300 us for 64 numbers on a CPU: a sinusoid
-    table made two such tensors, a fifth of a decoding step), so there it is
-    torch's own call (6 us, `torch_eager.constant`).
+    element by element (many times torch's own call, which makes the same
+    tensor: `torch_eager.constant`), so there it is torch's own call
+    (`benchmarks/results/torch_overhead.md` measured it).
 
     A sequence rather than a numpy array: a constant that `torch.compile`
     folds, where an array made in the traced function breaks the graph.

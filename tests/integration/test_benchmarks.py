@@ -1,5 +1,6 @@
 """The benchmarks' measuring protocol (warm-up calls, medians, peak memory), and
-the smoke runs of the GPU and the PyTorch overhead benchmarks on a CPU."""
+the smoke runs of the GPU, PyTorch overhead and int8 cache benchmarks on a
+CPU."""
 
 import os
 import re
@@ -174,3 +175,46 @@ def test_keras_costs_smoke_run_writes_each_piece_against_native(tmp_path):
             assert re.search(rf"\| {cells} \|\n", text), (piece, name)
         assert re.search(rf"\| {piece} \| [^|]*\(native\) \| [^|]+ \| 1\.00x", text)
     assert re.search(r"Keras adds, per call: Adam's apply -?\d+ µs", text)
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="suite time (56-85 s on TensorFlow and JAX, mostly compiling): the "
+    "script is the same on every backend, and its runs per backend are its "
+    "results (benchmarks/results/int8_cache_*.md)",
+)
+def test_int8_cache_smoke_run_reports_each_target(tmp_path):
+    """`benchmarks/int8_cache.py --quick`: its four sections with their rows,
+    a verdict per target (in the summary and under its section), the memory
+    ratios (exact at any size: (64 + 4) / (4 * 64) of float32 at a head width
+    of 64), and its step-by-step float path equal to the model's own pass."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "int8_cache.py")]
+    command += ["--quick", "--results", str(tmp_path)]
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = (tmp_path / f"int8_cache_{BACKEND}.md").read_text()
+    assert "Smoke run (`--quick`)" in text and "Load average" in text
+    targets = ["int8 / float32 bytes", "int8 / bfloat16 bytes", "greedy agreement"]
+    targets += ["logits rel. diff", "int8 / float time"]
+    for target in targets:
+        verdict = rf"{re.escape(target)} at (?:most|least) [^|]+ \| [^|]+ \| (?:yes|no)"
+        assert len(re.findall(verdict, text)) == 2, target
+    assert "| int8 / float32 bytes at most 0.3000x | 0.2656x | yes |" in text
+    assert "| int8 / bfloat16 bytes at most 0.5500x | 0.5312x | yes |" in text
+    assert re.search(r"\| int8 \| [\d,]+ \| [\d.]+ \| 0\.2656x \| 0\.5312x \|", text)
+    for model in ("trained", r"untrained \(random\)"):  # agreement, rows, diffs
+        cells = r" \| ".join([model, r"\d+\.\d\d%", r"\d+/64", r"\d+\.\d{4}%"])
+        assert re.search(rf"\| {cells} \| \d+\.\d{{4}}% \| \d+\.\d\d% \|", text)
+    paths = re.search(r"worst rel\. diff (\S+) \(trained\), (\S+) \(untrained\)", text)
+    assert paths and max(map(float, paths.groups())) < 1e-4
+    assert "their argmax replays the float `generate` tokens: yes" in text
+    assert len(re.findall(r"\| per (?:token|channel) \| \d\.\d{4} \|", text)) == 6
+    for variant in ("default \\(`auto`\\)", "`jit_compile=False`"):
+        cells = r" \| ".join([variant] + [r"-?\d+\.\d{3}"] * 2 + [r"-?\d+\.\d\dx"])
+        assert re.search(rf"\| FINDINGS decoder [^|]+ \| {cells} \|", text), variant
+    for part in ("attention", "read", "cast"):
+        assert re.search(rf"\| 256 \| {part} \| \d+\.\d{{3}} \| \d+\.\d{{3}} \|", text)
