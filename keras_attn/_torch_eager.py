@@ -265,6 +265,11 @@ def _as(x, dtype):
     return x if x is None or x.dtype == dtype else x.to(dtype)
 
 
+def recording():
+    """Whether autograd records the operations run now."""
+    return torch.is_grad_enabled()
+
+
 def write_slots(buffer, first, second, index):
     """`first` and `second` `(B, n, K, X)` copied into `buffer`
     `(B, 2, K, S, X)` at slots `index, ..., index + n - 1` of axis 3 (the

@@ -45,9 +45,10 @@ class Linear:
 def write(buffer, keys, values, index, in_place=True):
     """`keys` and `values` `(B, n, K, X)` written into `buffer` at slots
     `index, ..., index + n - 1`: in place on PyTorch with `in_place` (the
-    same tensor returned), else into a new buffer (`slice_update`, which XLA
-    writes in place inside a compiled loop)."""
-    if _torch_eager is not None and in_place:
+    same tensor returned) where no gradient is recorded (autograd may have
+    saved the buffer for a backward pass), else into a new buffer
+    (`slice_update`, which XLA writes in place inside a compiled loop)."""
+    if _in_place(in_place):
         return _torch_eager.write_slots(buffer, keys, values, index)
     update = ops.transpose(ops.stack([keys, values], axis=1), (0, 1, 3, 2, 4))
     return ops.slice_update(buffer, [0, 0, 0, int32(index), 0], update)
@@ -59,10 +60,16 @@ def blend(buffer, arrives, keys, values):
     sinks = arrives.shape[1]
     new = ops.transpose(ops.stack([keys, values], axis=1), (0, 1, 3, 2, 4))
     chosen = ops.where(arrives[:, None, None, :, None], new, buffer[:, :, :, :sinks])
-    if _torch_eager is not None:  # (B, 2, K, s, X) -> two (B, s, K, X)
+    if _in_place(True):  # (B, 2, K, s, X) -> two (B, s, K, X)
         first, second = (chosen[:, i].transpose(1, 2) for i in range(2))
         return _torch_eager.write_slots(buffer, first, second, 0)
     return ops.slice_update(buffer, [0, 0, 0, 0, 0], chosen)
+
+
+def _in_place(asked):
+    """Whether a write goes in place: asked for, on PyTorch, with no
+    gradient recorded."""
+    return asked and _torch_eager is not None and not _torch_eager.recording()
 
 
 def take(buffer, positions):

@@ -17,11 +17,11 @@ class DenseCache(_slots.Linear, collections.namedtuple("DenseCache", ["kv"])):
 
     The tensor layout is `MultiHeadAttention`'s `cache` tensor (keras-hub's
     `CachedMultiHeadAttention` form, heads-major): `DenseCache(tensor)` wraps
-    one. `update` writes in place on PyTorch (the returned cache holds the
-    same tensor, as gpt-fast's and Hugging Face's static caches do), so keep
-    no other use of a cache you update; on JAX and TensorFlow it returns a
-    new cache (which XLA writes in place inside a compiled loop). Always use
-    the returned cache.
+    one. `update` writes in place on PyTorch where no gradient is recorded
+    (the returned cache holds the same tensor, as gpt-fast's and Hugging
+    Face's static caches do), so keep no other use of a cache you update; on
+    JAX and TensorFlow, and under autograd, it returns a new cache (which XLA
+    writes in place inside a compiled loop). Always use the returned cache.
 
     Example:
     >>> cache = keras_attn.cache.DenseCache.empty(2, num_heads=3, length=8,

@@ -68,8 +68,8 @@ class RollingCache(collections.namedtuple("RollingCache", ["slots", "sinks"])):
         """One token's `keys` and `values` `(batch, 1, kv_heads, head_dim)`
         written at position `index` (a scalar int tensor or int): into its
         ring slot, and into a row's sink slot where it is one of its sinks."""
-        sinks = self.sinks.shape[1]
-        slot = sinks + ops.mod(int32(index), self.window)
+        sinks, index = self.sinks.shape[1], int32(index)
+        slot = sinks + ops.mod(index, self.window)
         slots = self.slots.update(keys, values, slot)
         if sinks:
             slots = slots.blend(self.sinks == index, keys, values)

@@ -79,12 +79,16 @@ class Generator(keras.Model):
             self._initial_state(inputs["prompt"], pads, logits, model)
         )
         numbers = {key: inputs[key] for key in NUMBERS}
-        pace = _Pace(self.forms, _shape_of(inputs))
-        with self._steps_held():
+        with self._steps_held() as lease:
+            pace = _Pace(self.forms, _shape_of(inputs), lease)
             for i, size in enumerate(segments):
-                if pace.compiles(state, self.length):  # the rest, compiled
+                if pace.finished(state, bool(self.settings.end_token_ids)):
+                    break
+                step = pace.compiles(state, self.length) and self._compiled(
+                    state, numbers, calls, pace.key
+                )
+                if step:  # the rest, compiled over the whole length
                     state["model"] = self.adapter.grow(state["model"], self.length)
-                    step = self._compiled(state, numbers, calls, pace.key)
                     state = self._python_loop(state, self.length, step, on_token)
                     break
                 if i > 0:
@@ -159,17 +163,19 @@ class Generator(keras.Model):
     def _compiled(self, state, numbers, calls, key):
         """PyTorch: `step(state)`, the step compiled once per `generate`
         shape (`key`) over the whole length: by Inductor, or as a CUDA graph
-        where `"auto"` chose one (on a GPU)."""
+        where `"auto"` chose one (on a GPU); `None` where `"auto"` could not
+        compile it."""
 
         def make(form):
             from keras_attn.generation import _torch
 
+            grown = {**state, "model": self.adapter.grow(state["model"], self.length)}
             build = _torch.capture_step if form == "graph" else _torch.compile_step
             step = functools.partial(self._step, calls=calls)
-            return build(step, self.decoding_layers, state, numbers)
+            return build(step, self.decoding_layers, grown, numbers)
 
         compiled = self.forms.compiled_step(key, make, _form(state))
-        return lambda state: compiled(state, numbers)
+        return compiled and (lambda state: compiled(state, numbers))
 
     def _step(self, state, numbers, calls):
         """Choose and write one token per row, then run the model on it."""
@@ -237,16 +243,23 @@ class _Pace:
     """The eager pace of a PyTorch decoding, timed segment by segment, and
     whether the rest of it runs compiled (`StepForms.compiles`)."""
 
-    def __init__(self, forms, key):
-        self.forms, self.key = forms, key
+    def __init__(self, forms, key, lease):
+        self.forms, self.key, self.lease = forms, key, lease
         self.seconds_per_step = None
+
+    def finished(self, state, ends):
+        """Whether every row is done (PyTorch, where end tokens end rows):
+        no segment, compiled or not, is left to run."""
+        if self.forms is None or not ends:
+            return False
+        return bool(ops.convert_to_numpy(ops.all(state["done"])))
 
     def compiles(self, state, length):
         if self.forms is None:
             return False
         remaining = length - _index(state)
         return self.forms.compiles(
-            self.key, remaining, self.seconds_per_step, _form(state)
+            self.key, remaining, self.seconds_per_step, _form(state), self.lease
         )
 
     def start(self, state):
@@ -269,9 +282,12 @@ def _index(state):
 
 
 def _shape_of(inputs):
-    """What a compiled PyTorch step is made for: the shapes of the inputs
-    (batch, prompt width, encoder inputs)."""
-    return tuple((name, tuple(value.shape)) for name, value in sorted(inputs.items()))
+    """What a compiled PyTorch step is made for: the shapes and dtypes of the
+    inputs (batch, prompt width, encoder inputs)."""
+    return tuple(
+        (name, tuple(value.shape), str(value.dtype))
+        for name, value in sorted(inputs.items())
+    )
 
 
 def _form(state):

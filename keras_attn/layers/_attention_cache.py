@@ -10,6 +10,7 @@ from keras_attn._checks import check_float, check_mask
 from keras_attn.cache import DenseCache, Int8Cache, RollingCache, empty_cache
 from keras_attn.cache.dense import written
 from keras_attn.layers._projections import heads, project
+from keras_attn.ops.dtypes import dtype_name
 
 
 def check_cacheable(layer):
@@ -48,6 +49,14 @@ def check_cache(layer, cache, batch, name="cache"):
     if isinstance(cache, Int8Cache):
         check_mask(f"{name}.kv", cache.kv, expected)
         check_mask(f"{name}.scale", cache.scale, (*expected[:4], 1))
+        dtypes = (dtype_name(cache.kv.dtype), dtype_name(cache.scale.dtype))
+        if dtypes != ("int8", "float32"):
+            raise TypeError(
+                f"`{name}` must hold int8 values and float32 scales (an "
+                "`Int8Cache` as `get_empty_cache(dtype='int8')` makes it). "
+                f"Received: {name}.kv.dtype={dtypes[0]}, "
+                f"{name}.scale.dtype={dtypes[1]}."
+            )
         return
     if isinstance(cache, DenseCache):
         cache, name = cache.kv, f"{name}.kv"

@@ -4,6 +4,8 @@ rolling cache against a dense one through a whole decoding, and each cache
 as a tree (Keras' tree functions, `keras.ops.while_loop`). The layers with
 cache objects: tests/layers/test_cache_objects.py."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -74,22 +76,35 @@ def test_written_leaves_the_given_tensor_unchanged():
 
 @pytest.mark.parametrize("kind", [DenseCache, Int8Cache])
 def test_update_writes_in_place_on_torch_only(kind):
-    """PyTorch: the returned cache holds the very tensors it was given, now
-    written; JAX and TensorFlow: new tensors, the given ones unchanged."""
-    cache = kind.empty(B, H, L, D)
+    """PyTorch with no gradient recorded (a decoding): the returned cache
+    holds the very tensors it was given, now written; under autograd (which
+    may have saved them for a backward pass), JAX and TensorFlow: new
+    tensors, the given ones unchanged."""
+    in_place = BACKEND == "torch"
     keys = random_floats(B, 1, H, D, seed=1)
-    updated = cache.update(keys, 2 * keys, 2)
+    recorded = contextlib.nullcontext()
+    if in_place:
+        import torch
+
+        recorded = torch.no_grad()
+        with torch.enable_grad():  # autograd: a new cache
+            cache = kind.empty(B, H, L, D)
+            fresh = cache.update(keys, keys, 2)
+            assert all(new is not old for old, new in zip(cache, fresh, strict=True))
+    cache = kind.empty(B, H, L, D)
+    with recorded:
+        updated = cache.update(keys, 2 * keys, 2)
     for old, new in zip(cache, updated, strict=True):
-        assert (new is old) == (BACKEND == "torch")
+        assert (new is old) == in_place
     step = np.abs(keys).max(-1).max() / 127  # int8's step, at most
     # The given cache reads what was written on PyTorch, zeros elsewhere.
-    states = (updated, cache) if BACKEND == "torch" else (updated,)
+    states = (updated, cache) if in_place else (updated,)
     for state in states:
         read_keys, read_values = map(to_numpy, state.read("float32"))
         for read, new in ((read_keys, keys), (read_values, 2 * keys)):
             np.testing.assert_allclose(read[:, :, 2], new[:, 0], atol=step, rtol=0)
             assert not read[:, :, 3:].any() and not read[:, :, :2].any()
-    if BACKEND != "torch":
+    if not in_place:
         assert not any(to_numpy(t).any() for t in cache)
 
 

@@ -213,3 +213,65 @@ def test_the_capture_double_refuses_what_cuda_cannot_capture(captured_graphs):
     kept = out.clone()
     graph.replay()
     assert torch.equal(kept, torch.full((3,), 4.0)) and torch.equal(out, kept + 2)
+
+
+def test_a_decoding_inside_another_leaves_its_buffers_alone(
+    captured_graphs, monkeypatch
+):
+    """`"auto"`'s compiled buffers belong to one decoding at a time (a
+    lease): a `generate` called again from `on_token`, of the same shape,
+    goes on eagerly while the outer one replays; both give eager's tokens."""
+    from keras_attn.generation import tiers
+
+    monkeypatch.setattr(tiers, "cost", lambda form: 0.0)
+    monkeypatch.setattr(tiers, "_MEASURED", {})
+    model = decoder_only_model(VOCAB, WIDTH)
+    eager = generate(model, PROMPTS, 80, jit_compile=False)
+    generate(model, PROMPTS, 80)  # the shape captured: the next call replays
+    inner = []
+
+    def again(step, tokens):
+        if step == 70:
+            inner.append(generate(model, PROMPTS, 80))
+
+    np.testing.assert_array_equal(generate(model, PROMPTS, 80, on_token=again), eager)
+    np.testing.assert_array_equal(inner[0], eager)
+
+
+def test_a_step_that_cannot_compile_stays_eager(captured_graphs, monkeypatch):
+    """`"auto"` keeps decoding eagerly where the export or compile fails (a
+    model `torch.export` cannot trace), and tries that shape no more;
+    `jit_compile=True` raises."""
+    from keras_attn.generation import _torch, tiers
+
+    monkeypatch.setattr(tiers, "cost", lambda form: 0.0)
+    monkeypatch.setattr(tiers, "_MEASURED", {})
+    tries = []
+
+    def fails(*arguments):
+        tries.append(1)
+        raise RuntimeError("untraceable")
+
+    monkeypatch.setattr(_torch, "capture_step", fails)
+    monkeypatch.setattr(_torch, "compile_step", fails)
+    model = decoder_only_model(VOCAB, WIDTH)
+    eager = generate(model, PROMPTS, 80, jit_compile=False)
+    for _ in range(2):
+        np.testing.assert_array_equal(generate(model, PROMPTS, 80), eager)
+    assert len(tries) == 1
+    with pytest.raises(RuntimeError, match="untraceable"):
+        generate(model, PROMPTS, 80, jit_compile=True)
+
+
+def test_no_compile_once_every_row_has_ended(captured_graphs, monkeypatch):
+    """Rows that all end inside the first segment leave nothing to compile
+    for, however cheap a compile is."""
+    from keras_attn.generation import tiers
+
+    monkeypatch.setattr(tiers, "cost", lambda form: 0.0)
+    monkeypatch.setattr(tiers, "_MEASURED", {})
+    model = decoder_only_model(VOCAB, WIDTH)
+    eager = generate(model, PROMPTS, 80, jit_compile=False)
+    ends = sorted({int(eager[0, 6]), int(eager[1, 6])})
+    generate(model, PROMPTS, 80, end_token_id=ends)
+    assert not captured_graphs.graphs
