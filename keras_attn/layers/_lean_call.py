@@ -24,6 +24,10 @@ and `__call__` otherwise:
 The arguments go to `call` as passed: the parent passes `training` (and the
 masks) explicitly where the sublayer's `call` uses them.
 
+Which to use: a layer's `call` calls its sublayers through `call_sublayer`
+(whose test is `lean`); a decoding step through its decoding's
+`SublayerCalls`, which binds each sublayer's call once, from the same rules.
+
 On PyTorch a lean call of Keras' own `Dense`, `EinsumDense`,
 `LayerNormalization` (over the last axis) or `RMSNormalization` goes one
 step further: the torch calls its `call` makes, without `keras.ops`'
@@ -54,16 +58,6 @@ def call_sublayer(layer, inputs, *args, **kwargs):
         return layer(inputs, *args, **kwargs)
     outputs = None if args or kwargs else _direct(layer, inputs)
     return layer.call(inputs, *args, **kwargs) if outputs is None else outputs
-
-
-def direct_call(layer, inputs):
-    """`layer(inputs)` as the torch calls of Keras' own `call` (PyTorch: a
-    `Dense`, `EinsumDense`, `LayerNormalization` or `RMSNormalization` on a
-    lean call, from inside a parent's `call` or from no layer's), or `None`
-    for the caller to call the layer."""
-    if type(layer).call not in _BINDERS or not lean(layer, inputs):
-        return None
-    return _direct(layer, inputs)
 
 
 def _direct(layer, inputs):

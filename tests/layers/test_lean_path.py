@@ -247,5 +247,5 @@ def test_a_subclass_kernel_property_is_asked():
     x = keras.ops.convert_to_tensor(random_floats(2, 4))
     dense.build(x.shape)
     np.testing.assert_array_equal(
-        to_numpy(_lean_call.direct_call(dense, x)), to_numpy(dense(x))
+        to_numpy(_lean_call.SublayerCalls()(dense, x)), to_numpy(dense(x))
     )
