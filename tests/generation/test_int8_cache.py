@@ -11,7 +11,7 @@ from keras_attn.cache import DenseCache, Int8Cache, RollingCache
 from keras_attn.generation import generate
 from keras_attn.generation.adapter import ModelAdapter
 from keras_attn.generation.graph import GraphPlan
-from keras_attn.layers._lean_call import SublayerCalls
+from keras_attn.layers._lean_call import SublayerCalls as Calls
 from tests.helpers.backend import to_numpy
 from tests.helpers.builders import GENERATION_VOCAB as VOCAB
 from tests.helpers.builders import decoder_only_model, llama_model
@@ -28,17 +28,30 @@ def lockstep(model, dtype, steps):
     pads = keras.ops.convert_to_tensor([1, 0], "int32")
     length, runs, worst = 4 + steps, {}, 0.0
     for kind in (None, dtype):
-        adapter, calls = ModelAdapter(plan, length, cache_dtype=kind), SublayerCalls()
-        runs[kind] = (adapter, calls, *adapter.prefill(prompt, pads, [], length, calls))
+        adapter = ModelAdapter(plan, length, cache_dtype=kind)
+        prefill = traced(lambda *a, m=adapter.prefill: m(*a, [], length, Calls()))
+        step = traced(lambda *a, m=adapter.step: m(*a, Calls()))
+        runs[kind] = (step, *prefill(prompt, pads))
     for index in range(4, length):
-        logits = {kind: to_numpy(run[2]) for kind, run in runs.items()}
+        logits = {kind: to_numpy(run[1]) for kind, run in runs.items()}
         error = np.abs(logits[dtype] - logits[None]).max()
         worst = max(worst, error / np.abs(logits[None]).max())
         token = keras.ops.convert_to_tensor(logits[None].argmax(-1), "int32")
         at = keras.ops.convert_to_tensor(index, "int32")
-        for kind, (adapter, calls, _, state) in list(runs.items()):
-            runs[kind] = (adapter, calls, *adapter.step(token, at, state, calls))
-    return worst, runs[dtype][3]["caches"]
+        for kind, (step, _, state) in list(runs.items()):
+            runs[kind] = (step, *step(token, at, state))
+    return worst, runs[dtype][2]["caches"]
+
+
+def traced(function):
+    """On JAX, `function` compiled whole: eagerly each op compiles alone,
+    which was most of these tests' time (the numbers are the same). Each
+    trace binds its own sublayer calls (`Calls`: they memoize tensors)."""
+    if keras.config.backend() != "jax":
+        return function
+    import jax
+
+    return jax.jit(function)
 
 
 def test_int8_logits_stay_within_2_percent_of_the_float_caches():

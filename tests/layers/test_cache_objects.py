@@ -14,7 +14,7 @@ from keras_attn.cache import DenseCache, Int8Cache, RollingCache
 from tests.helpers.backend import to_numpy
 from tests.helpers.builders import random_floats
 
-B, T, WIDTH = 3, 7, 10  # batch, positions, width
+B, T, WIDTH = 3, 5, 10  # batch, positions, width
 PROMPT = 3  # the first call writes positions 0, 1, 2; then one at a time
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
