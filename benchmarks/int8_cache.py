@@ -68,7 +68,7 @@ from benchmarks import generation as decoding  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from benchmarks.run import versions  # noqa: E402
 from benchmarks.timing import describe, time_calls  # noqa: E402
-from keras_attn.cache import DenseCache, quantize  # noqa: E402
+from keras_attn.cache import DenseCache, as_cache, quantize  # noqa: E402
 from keras_attn.generation import generate  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -189,11 +189,6 @@ def target_line(name, value, met, form="{:.3f}"):
 
 
 # --- The model's parts, and decoding it step by step -------------------------
-
-
-def as_cache(cache):
-    """A cache object: a cache tensor (a float cache) as a `DenseCache`."""
-    return cache if isinstance(cache, tuple) else DenseCache(cache)
 
 
 def parts(model):

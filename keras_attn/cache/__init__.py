@@ -29,10 +29,24 @@ from keras_attn.cache.dense import DenseCache
 from keras_attn.cache.int8 import Int8Cache, quantize
 from keras_attn.cache.rolling import RollingCache
 
-__all__ = ["DenseCache", "Int8Cache", "RollingCache", "empty_cache", "quantize"]
+__all__ = [
+    "DenseCache",
+    "Int8Cache",
+    "RollingCache",
+    "as_cache",
+    "empty_cache",
+    "quantize",
+]
 
 
 def empty_cache(batch_size, num_heads, length, head_dim, dtype):
     """An empty `Int8Cache` for `dtype="int8"`, else a `DenseCache` of `dtype`."""
     kind = Int8Cache if dtype == "int8" else DenseCache
     return kind.empty(batch_size, num_heads, length, head_dim, dtype)
+
+
+def as_cache(cache):
+    """A cache object of `cache`: a cache tensor (Keras' and keras-hub's
+    form, `(batch, 2, kv_heads, length, head_dim)`) as a `DenseCache`, a
+    cache object as it is."""
+    return cache if isinstance(cache, tuple) else DenseCache(cache)

@@ -10,7 +10,7 @@ decoding binds once for all its steps.
 import keras
 from keras import ops
 
-from keras_attn.cache import DenseCache, RollingCache
+from keras_attn.cache import DenseCache, RollingCache, as_cache
 from keras_attn.generation.graph import is_decoder
 from keras_attn.layers import PositionEmbedding, SinusoidalEmbedding
 
@@ -56,7 +56,7 @@ class ModelAdapter:
         if self.plan.encoder is not None:
             state.update(self._encode(sources))
         state["caches"] = [
-            _as_object(
+            as_cache(
                 layer.get_empty_self_attention_cache(batch, size, self.cache_dtype)
             )
             for layer in self.plan.decoders
@@ -177,11 +177,6 @@ def _mask(masks, cache, layer, index, count, state):
     if kind not in masks:
         masks[kind] = cache.mask(index, count, state["keys"], window, sinks)
     return masks[kind]
-
-
-def _as_object(cache):
-    """A cache object: a cache tensor (Keras' form) as a `DenseCache`."""
-    return cache if isinstance(cache, tuple) else DenseCache(cache)
 
 
 def _grown(size):

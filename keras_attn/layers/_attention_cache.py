@@ -7,7 +7,13 @@ import keras
 from keras import ops
 
 from keras_attn._checks import check_float, check_mask
-from keras_attn.cache import DenseCache, Int8Cache, RollingCache, empty_cache
+from keras_attn.cache import (
+    DenseCache,
+    Int8Cache,
+    RollingCache,
+    as_cache,
+    empty_cache,
+)
 from keras_attn.cache.dense import written
 from keras_attn.layers._projections import heads, project
 from keras_attn.ops.dtypes import dtype_name
@@ -120,7 +126,7 @@ def keys_and_values(layer, key, value, call, positions, dtype):
 def read(cache, dtype):
     """A cache's keys and values `(B, K, S, D)` in `dtype`: a cache object's
     own, or a tensor's (Keras' form)."""
-    return (cache if isinstance(cache, tuple) else DenseCache(cache)).read(dtype)
+    return as_cache(cache).read(dtype)
 
 
 def write(cache, keys, values, index):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_attn.cache import DenseCache, Int8Cache, RollingCache, quantize
+from keras_attn.cache import DenseCache, Int8Cache, RollingCache, as_cache, quantize
 from keras_attn.cache.dense import written
 from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.builders import random_floats
@@ -35,6 +35,14 @@ def heads_major(x):
 
 
 # --- DenseCache ---------------------------------------------------------------
+
+
+def test_as_cache_wraps_a_cache_tensor_and_keeps_a_cache_object():
+    kv = tensor(dense_array())
+    wrapped = as_cache(kv)
+    assert type(wrapped) is DenseCache and wrapped.kv is kv
+    int8 = Int8Cache.empty(B, H, L, D)
+    assert as_cache(wrapped) is wrapped and as_cache(int8) is int8
 
 
 @pytest.mark.parametrize("index, count", [(4, 1), (2, 3)])
