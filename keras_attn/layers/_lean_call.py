@@ -63,9 +63,16 @@ def call_sublayer(layer, inputs, *args, **kwargs):
 def _direct(layer, inputs):
     """The torch calls of a lean layer's Keras `call`, or `None` (another
     layer, or a case Keras' `call` keeps)."""
-    binder = _BINDERS.get(type(layer).call)
-    call = None if binder is None else binder(layer)
+    call = _torch_call(layer)
     return None if call is None else call(inputs)
+
+
+def _torch_call(layer):
+    """The torch calls of `layer`'s Keras `call`, bound as a function of its
+    input (which returns `None` where Keras' `call` must run), or `None`:
+    not one of Keras' own layers `_BINDERS` knows, or not on PyTorch."""
+    binder = _BINDERS.get(type(layer).call)
+    return None if binder is None else binder(layer)
 
 
 def lean(layer, inputs, *arguments):
@@ -136,8 +143,7 @@ def _bind(layer):
     passes its masks explicitly)."""
     if not _state_kept(layer):
         return lambda x: keras.ops.copy(layer(x))
-    binder = _BINDERS.get(type(layer).call)
-    direct = None if binder is None else binder(layer)
+    direct = _torch_call(layer)
     if direct is None:
         return layer.call
 
@@ -161,7 +167,7 @@ def _arguments_kept(layer, arguments):
             if hasattr(x, "__array__"):  # numpy: `__call__` converts it
                 return False
         elif layer.autocast and keras.backend.is_float_dtype(x.dtype):
-            if keras.backend.standardize_dtype(x.dtype) != layer.input_dtype:
+            if dtype_name(x.dtype) != layer.input_dtype:
                 return False
     return True
 
