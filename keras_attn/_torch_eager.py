@@ -104,22 +104,13 @@ def bound_projection(kernel, bias=None, equation=None):
         return general
     contracted, rank = form
     inner = tuple(kernel.shape[:contracted])
-    size, free = math.prod(inner), tuple(kernel.shape[contracted:])
-    matrix = (size, math.prod(free))
 
     def call(x):
-        kept = x.shape[: x.dim() - contracted]
-        if (
-            x.dtype != dtype
-            or x.device != kernel.device
-            or (rank is not None and x.dim() != rank)
-            or not kept
-            or tuple(x.shape[x.dim() - contracted :]) != inner
-            or (contracted == 1 and not _folds(x, kernel))
-        ):
+        y = None
+        if x.dtype == dtype and x.device == kernel.device and _fits(x, inner, rank):
+            y = _matmul(x, kernel, contracted)
+        if y is None:
             return general(x)
-        rows = _flat(x, (math.prod(kept), size))
-        y = torch.mm(rows, _flat(kernel, matrix)).view(*kept, *free)
         return y if bias is None else torch.add(y, bias)
 
     return call
@@ -153,10 +144,19 @@ def _matmul_axes(equation, x, kernel):
     if form is None:
         return None
     contracted, rank = form
-    if rank is not None and x.dim() != rank or x.dim() <= contracted:
-        return None
-    fits = tuple(x.shape[x.dim() - contracted :]) == tuple(kernel.shape[:contracted])
-    return contracted if fits else None
+    return contracted if _fits(x, tuple(kernel.shape[:contracted]), rank) else None
+
+
+def _fits(x, inner, rank):
+    """Whether `x` (of rank `rank`, any rank for `None`) ends in axes of the
+    sizes `inner`, the kernel's contracted ones, and keeps an axis before
+    them."""
+    contracted = len(inner)
+    return (
+        (rank is None or x.dim() == rank)
+        and x.dim() > contracted
+        and tuple(x.shape[x.dim() - contracted :]) == inner
+    )
 
 
 def _matmul(x, kernel, contracted):
