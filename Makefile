@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --no-compile -c constraints.txt \
-		-e ".[tensorflow,jax,torch,dev,examples,export]"
+		-e ".[tensorflow,jax,torch,huggingface,dev,examples,export]"
 	$(BIN)/python -m compileall -q -j 0 -x py312_intrinsics $(VENV)/lib
 	touch $@
 
