@@ -26,7 +26,7 @@ from keras_attn.layers._machinery import (
     enable_lora,
     leaf_dtype,
 )
-from keras_attn.layers._options import AttentionOptions
+from keras_attn.layers._options import AttentionOptions, bias_switch
 from keras_attn.layers.multi_head_attention import MultiHeadAttention
 
 
@@ -61,6 +61,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         gated_feedforward=False,
         normalize_sublayer_outputs=False,
         qk_norm_epsilon=None,
+        use_feedforward_bias=None,
         **kwargs,
     ):
         num_heads = check_positive_int("num_heads", num_heads)
@@ -91,6 +92,9 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         )
         self.qk_norm_epsilon = check_positive_float(
             "qk_norm_epsilon", qk_norm_epsilon, allow_none=True
+        )
+        self.use_feedforward_bias = check_bool(
+            "use_feedforward_bias", use_feedforward_bias, allow_none=True
         )
         options.apply(self)
         self.supports_masking = True
@@ -197,9 +201,11 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         )
 
     def _dense(self, name, units, input_shape):
+        """A feed-forward matrix, with a bias by `use_feedforward_bias`
+        (`None`: by `use_bias`)."""
         dense = _int8.Dense(
             units,
-            use_bias=self.use_bias,
+            use_bias=bias_switch(self.use_feedforward_bias, self.use_bias),
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
             dtype=leaf_dtype(self, name),
@@ -319,6 +325,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 "gated_feedforward": self.gated_feedforward,
                 "normalize_sublayer_outputs": self.normalize_sublayer_outputs,
                 "qk_norm_epsilon": self.qk_norm_epsilon,
+                "use_feedforward_bias": self.use_feedforward_bias,
                 **AttentionOptions.config_of(self),
                 "dtype": dtype_config(self),
             }

@@ -46,7 +46,18 @@ normalize_sublayer_outputs: bool, keyword only. Each sublayer's output
     `Norm(x + Dropout(Norm_out(F(x))))`. Defaults to `False`.
 use_bias: bool, keyword only. `False` drops every bias: the
     projections', the feed-forward matrices' and the layer norms'
-    offsets (as LLaMA). Defaults to `True`.
+    offsets (as LLaMA), but where `use_output_bias` or
+    `use_feedforward_bias` says otherwise. Defaults to `True`.
+use_output_bias: bool, keyword only. Whether each attention's output
+    projection (`attention_output`, W_O) has a bias. `False` with
+    `use_bias=True`: biases on query, key and value only (Qwen2, Qwen2.5).
+    Defaults to `None`: as `use_bias`.
+use_feedforward_bias: bool, keyword only. Whether the feed-forward
+    matrices (`feedforward_*_dense`) have biases; the layer norms'
+    offsets stay with `use_bias`. `False` with `use_bias=True`: Qwen2 and
+    Llama's `attention_bias=True, mlp_bias=False`; `True` with
+    `use_bias=False`: Llama's `mlp_bias=True`. Defaults to `None`: as
+    `use_bias`.
 normalize_qk: bool, keyword only. RMS-normalize queries and keys per
     head before the dot product (Gemma 3, Qwen3), with `qk_norm_epsilon`.
     Defaults to `False`.
@@ -87,7 +98,8 @@ key_dim: int. Per-head width of queries and keys. Defaults to the query
 value_dim: int. Per-head width of values. Defaults to `key_dim`.
 dropout: float in [0, 1). Dropout on the attention weights in training.
     Defaults to `0.0`.
-use_bias: bool. Whether the projections have biases. Defaults to `True`.
+use_bias: bool. Whether the projections have biases (W_O's: see
+    `use_output_bias`). Defaults to `True`.
 output_shape: int or tuple of ints. Shape of each output position.
     Defaults to the query width.
 attention_axes: int or tuple of ints. The axes of inputs of rank >= 3
@@ -121,6 +133,10 @@ num_key_value_heads: int, keyword only. Key/value heads for
     multi-query attention. Defaults to `num_heads`.
 output_dim: int, keyword only. The same as an int `output_shape` (the
     name of keras_attn 0.1).
+use_output_bias: bool, keyword only. Whether the output projection
+    (`attention_output`, W_O) has a bias: `False` with `use_bias=True`
+    gives biases on query, key and value only (Qwen2, Qwen2.5). Defaults
+    to `None`: as `use_bias`.
 rope_max_wavelength: float, keyword only. Rotate queries and keys by
     their positions after projection (rotary position embeddings, Su
     et al. 2021; `keras_attn.ops.rotary_embedding`) with this base.

@@ -29,6 +29,7 @@ class AttentionOptions:
     use_gate: bool = False
     sliding_window: int | None = None
     use_bias: bool = True
+    use_output_bias: bool | None = None
     normalize_qk: bool = False
     logit_soft_cap: float | None = None
     rope_max_wavelength: float | None = None
@@ -65,6 +66,9 @@ class AttentionOptions:
                 "sliding_window", options.sliding_window, allow_none=True
             ),
             use_bias=check_bool("use_bias", options.use_bias),
+            use_output_bias=check_bool(
+                "use_output_bias", options.use_output_bias, allow_none=True
+            ),
             normalize_qk=check_bool("normalize_qk", options.normalize_qk),
             logit_soft_cap=check_positive_float(
                 "logit_soft_cap", options.logit_soft_cap, allow_none=True
@@ -141,3 +145,10 @@ class AttentionOptions:
             name: dict(value) if isinstance(value, dict) else value
             for name, value in options.items()
         }
+
+
+def bias_switch(option, use_bias):
+    """Whether the sublayers of a bias option (`use_output_bias`,
+    `use_feedforward_bias`) have biases: the option where it is given, else
+    `use_bias`."""
+    return use_bias if option is None else option

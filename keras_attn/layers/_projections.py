@@ -8,6 +8,7 @@ from keras_attn.layers import _int8
 from keras_attn.layers._initializers import MatrixInitializer
 from keras_attn.layers._lean_call import call_sublayer
 from keras_attn.layers._machinery import clone_initializer, leaf_dtype
+from keras_attn.layers._options import bias_switch
 from keras_attn.ops.positions import rotate
 
 
@@ -86,13 +87,15 @@ def projection(layer, name, width, heads, dim, activation=None):
 
 
 def output_projection(layer, query_width):
-    """`EinsumDense` W_O: `(B, T, H, Dv)` -> `(B, T, *output_shape)`."""
+    """`EinsumDense` W_O: `(B, T, H, Dv)` -> `(B, T, *output_shape)`, with a
+    bias by `use_output_bias` (`None`: by `use_bias`)."""
     output_shape = layer._output_shape or (query_width,)
     letters = "efghijklmnopqrstuvwxyz"[: len(output_shape)]
+    use_bias = bias_switch(layer.use_output_bias, layer.use_bias)
     dense = _int8.EinsumDense(
         f"abcd,cd{letters}->ab{letters}",
         output_shape=(None, *output_shape),
-        bias_axes=letters if layer.use_bias else None,
+        bias_axes=letters if use_bias else None,
         **_sublayer_kwargs(layer, "attention_output"),
     )
     dense.supports_masking = True  # position-wise, as the projections
