@@ -29,15 +29,17 @@ def load_tokenizer(path):
     read; transformers writes a `tokenizer.json` from them with
     `AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`.
 
-    Encoding and decoding are transformers' `AutoTokenizer`'s for the folder
-    (no padding, no truncation). The special token ids are the ones the
-    folder declares, each from the first file that does:
-    `generation_config.json`, then `config.json` (or its `text_config`), then
-    the token named in `tokenizer_config.json` (or `special_tokens_map.json`)
-    looked up in `tokenizer.json`; `None` where none does (no id is guessed:
-    transformers' `generate` pads with the first end id where no pad id is
-    declared). Chat templates are left to the caller: format the
-    conversation as the model card says before `encode`.
+    Encoding and decoding follow `tokenizer.json` as written, as transformers'
+    `AutoTokenizer` does for the folder (no padding, no truncation; for some
+    tokenizer classes transformers 5 rebuilds the steps before and after the
+    vocabulary lookup from its code, meant to give the same ids and texts).
+    The special token ids are the ones the folder declares, each from the
+    first file that does: `generation_config.json`, then `config.json` (or
+    its `text_config`), then the token named in `tokenizer_config.json` (or
+    `special_tokens_map.json`) looked up in `tokenizer.json`; `None` where
+    none does (no id is guessed: transformers' `generate` pads with the first
+    end id where no pad id is declared). Chat templates are left to the
+    caller: format the conversation as the model card says before `encode`.
 
     Args:
         path: str or os.PathLike. The folder holding `tokenizer.json`.
