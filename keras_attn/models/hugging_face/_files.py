@@ -1,0 +1,134 @@
+"""A Hugging Face checkpoint folder on disk: `config.json` and safetensors
+files, read one tensor at a time and written whole."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Tensor dtypes a checkpoint's float weights come in (safetensors' names).
+FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def safetensors_numpy():
+    """The `safetensors` package, or an ImportError naming the extra."""
+    try:
+        from safetensors import numpy as numpy_io
+        from safetensors import safe_open
+    except ImportError as error:
+        raise ImportError(
+            "Hugging Face checkpoint folders are read and written with the "
+            "`safetensors` package: `pip install keras-attn[huggingface]`."
+        ) from error
+    return numpy_io, safe_open
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder's config and its tensors' names, shapes and
+    dtypes (from the files' headers: no weight is read until `read`)."""
+
+    path: str
+    config: dict
+    shapes: dict  # name: tuple
+    dtypes: dict  # name: safetensors dtype name ("BF16", ...)
+    files: dict  # name: file path
+
+    def read(self, name):
+        """One tensor as a numpy array (bfloat16 as ml-dtypes'). The file is
+        opened for this tensor alone, so its mapped pages are let go at once:
+        loading holds one tensor beside the model, never the checkpoint."""
+        _, safe_open = safetensors_numpy()
+        with safe_open(self.files[name], framework="numpy") as file:
+            return file.get_tensor(name)
+
+
+def open_checkpoint(path):
+    """The `Checkpoint` of the folder `path`; a clear error where the folder,
+    its config or its weights are missing or unreadable."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            "`path` must be a local folder (a str or os.PathLike) holding "
+            f"config.json and safetensors files. Received: {path!r} of type "
+            f"{type(path).__name__}."
+        )
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"`path` must be a local checkpoint folder; {path!r} is not a "
+            "folder. Nothing is downloaded: fetch the folder first with the "
+            "hub's own tool (e.g. `hf download <repo> --local-dir <folder>`)."
+        )
+    config = _read_json(os.path.join(path, CONFIG), path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{os.path.join(path, CONFIG)} must hold a JSON object.")
+    shapes, dtypes, files = {}, {}, {}
+    for file in _weight_files(path):
+        for name, (shape, dtype) in _header(file).items():
+            shapes[name], dtypes[name], files[name] = shape, dtype, file
+    return Checkpoint(path, config, shapes, dtypes, files)
+
+
+def _read_json(file, folder):
+    if not os.path.isfile(file):
+        raise FileNotFoundError(
+            f"The checkpoint folder {folder!r} has no {os.path.basename(file)}. "
+            f"It holds: {sorted(os.listdir(folder))}."
+        )
+    try:
+        with open(file, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"Cannot read {file} as JSON: {error}") from error
+
+
+def _weight_files(path):
+    """The safetensors files of the folder: those its index names, else
+    `model.safetensors`."""
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        weight_map = _read_json(index, path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no `weight_map` of tensor names to files.")
+        files = sorted({os.path.join(path, f) for f in weight_map.values()})
+    else:
+        files = [os.path.join(path, SINGLE)]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(
+            f"The checkpoint folder {path!r} lacks the weights file(s) "
+            f"{[os.path.basename(f) for f in missing]} (safetensors: "
+            f"{SINGLE} or a sharded {INDEX}). It holds: {sorted(os.listdir(path))}."
+        )
+    return files
+
+
+def _header(file):
+    """`{name: (shape, dtype)}` of a safetensors file, from its header."""
+    _, safe_open = safetensors_numpy()
+    try:
+        with safe_open(file, framework="numpy") as handle:
+            return {
+                name: (
+                    tuple(handle.get_slice(name).get_shape()),
+                    handle.get_slice(name).get_dtype(),
+                )
+                for name in handle.keys()
+            }
+    except Exception as error:  # safetensors raises its own error types
+        raise ValueError(f"Cannot read {file} as safetensors: {error}") from error
+
+
+def write_checkpoint(path, config, tensors):
+    """Write `config` as config.json and `tensors` (`{name: array}`) as
+    model.safetensors in the folder `path` (created if needed)."""
+    numpy_io, _ = safetensors_numpy()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG), "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+    tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
+    numpy_io.save_file(tensors, os.path.join(path, SINGLE), metadata={"format": "pt"})

@@ -1,0 +1,150 @@
+"""`from_hugging_face`: a checkpoint folder to a keras_attn model."""
+
+import keras
+import numpy as np
+
+from keras_attn.models.decoder_lm import decoder_lm
+from keras_attn.models.hugging_face._config import HFConfig
+from keras_attn.models.hugging_face._families import FAMILIES, read_family
+from keras_attn.models.hugging_face._files import FLOAT_DTYPES, open_checkpoint
+
+
+def from_hugging_face(path, dtype=None):
+    """A Hugging Face checkpoint folder as a keras_attn language model.
+
+    Reads a local folder (nothing is downloaded) holding `config.json` and
+    safetensors weights (`model.safetensors`, or shards listed in
+    `model.safetensors.index.json`; float32, float16 or bfloat16), and
+    returns the functional `keras.Model` of `keras_attn.models.decoder_lm`:
+    int token ids `(batch, length)` to logits `(batch, length, vocab)`, which
+    `keras_attn.generation.generate` decodes with caches. Every number comes
+    from `config.json`; an entry that changes the maths is computed or
+    refused by name, so the model computes what transformers' model of the
+    folder computes. The weights are read one tensor at a time into the
+    built model's variables: loading holds the model and one tensor.
+
+    Families (`model_type`): `gpt2`, `llama` (2, 3, 3.1's rope scaling, 3.2's
+    tied head), `mistral`, `qwen2` (2 and 2.5), `qwen3`, `gemma`, `gemma2`,
+    `gemma3_text`, `phi3`, `smollm3`. Rotary scaling: linear, llama3, yarn;
+    dynamic NTK, longrope and partial rotary factors are refused.
+
+    Args:
+        path: str or os.PathLike. The checkpoint folder.
+        dtype: the model's dtype policy (`"float32"`, `"bfloat16"`,
+            `"mixed_bfloat16"`, ...). Defaults to `None`: Keras' global
+            policy (`keras.config.dtype_policy()`), as for any Keras layer;
+            the checkpoint's tensors are converted to it. Gemma needs float32
+            variables (its norms hold `1 + w`): a mixed policy computes in
+            bfloat16 on them.
+
+    Returns:
+        A `keras.Model`, its layers named as `decoder_lm` names them.
+
+    Raises:
+        FileNotFoundError: the folder, its config or weights are missing.
+        ValueError: an unknown `model_type` (the message lists ours), a config
+            entry we do not compute, or a tensor missing, left over or of
+            another shape than the config says: each before any weight is
+            read, and nothing half-built is returned.
+
+    Example (a folder `save_pretrained` writes; the hubs' download tools
+    write the same):
+    >>> import tempfile, transformers
+    >>> folder = tempfile.mkdtemp()
+    >>> transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    ...     vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2)).save_pretrained(folder)
+    >>> model = keras_attn.models.from_hugging_face(folder)
+    >>> tuple(model(np.array([[1, 2, 3]])).shape)
+    (1, 3, 64)
+    """
+    checkpoint = open_checkpoint(path)
+    config = HFConfig(checkpoint.config, checkpoint.path)
+    if config.family not in FAMILIES:
+        raise ValueError(
+            f"`from_hugging_face` loads the model types {sorted(FAMILIES)}. "
+            f"Received: model_type={config.family!r} in {checkpoint.path}."
+        )
+    config.get("model_type")
+    policy = keras.dtype_policies.get(dtype or keras.config.dtype_policy())
+    spec, links = read_family(config, policy.name)
+    config.check_all_read()
+    if config.family.startswith("gemma") and policy.variable_dtype != "float32":
+        raise ValueError(
+            "Gemma's RMS norms scale by 1 + w, which Keras' norms hold as one "
+            f"weight: in {policy.variable_dtype} variables 1 + w loses w's low "
+            f"bits. Received: dtype={dtype!r}. Pass dtype='float32' or a mixed "
+            "policy ('mixed_bfloat16')."
+        )
+    model = decoder_lm(spec, name=f"{config.family}_keras_attn")
+    names = _resolve(links, {v.path: tuple(v.shape) for v in model.weights}, checkpoint)
+    variables = {v.path: v for v in model.weights}
+    for item, name in zip(links, names, strict=True):
+        shapes = {path: tuple(variables[path].shape) for path in item.ours}
+        for path, value in item.load(checkpoint.read(name), shapes).items():
+            variables[path].assign(_cast(value, variables[path].dtype))
+    return model
+
+
+def _resolve(links, shapes, checkpoint):
+    """Each link's tensor name in the checkpoint, after checking that every
+    variable is linked once, every tensor used once (a tied head's copy and
+    GPT-2's mask buffers aside), each of the shape the config implies, and
+    each a float tensor."""
+    linked = [path for item in links for path in item.ours]
+    unlinked = sorted(set(shapes) - set(linked))
+    if unlinked or len(linked) != len(set(linked)):
+        raise AssertionError(f"Our links miss {unlinked} or repeat a variable.")
+    names = [_name(item.theirs, checkpoint) for item in links]
+    errors = []
+    for item, name in zip(links, names, strict=True):
+        expected = item.shape(shapes)
+        if name is None:
+            errors.append(f"missing {item.theirs} of shape {expected}")
+        elif checkpoint.shapes[name] != expected:
+            shape = checkpoint.shapes[name]
+            errors.append(f"{name} has shape {shape}, the config implies {expected}")
+        elif checkpoint.dtypes[name] not in FLOAT_DTYPES:
+            errors.append(f"{name} is {checkpoint.dtypes[name]}, not a float tensor")
+    unused = sorted(set(checkpoint.shapes) - set(names) - _ignored(checkpoint, names))
+    if unused:
+        errors.append(f"tensors the config does not use: {unused[:8]}")
+    if errors:
+        raise ValueError(
+            f"The weights in {checkpoint.path} do not match its config.json: "
+            + "; ".join(errors)
+            + ". Nothing was loaded."
+        )
+    return names
+
+
+def _name(theirs, checkpoint):
+    """`theirs` in the checkpoint, or the same without the base model's
+    prefix (GPT-2's original files have `h.0...`, not `transformer.h.0...`)."""
+    for name in (theirs, theirs.partition(".")[2]):
+        if name in checkpoint.shapes:
+            return name
+    return None
+
+
+def _ignored(checkpoint, names):
+    """Tensors transformers' model does not read: a tied head's copy of the
+    token table, GPT-2's causal-mask buffers, rotary frequency buffers."""
+    return {
+        name
+        for name in checkpoint.shapes
+        if name == "lm_head.weight"
+        and "lm_head.weight" not in names
+        or name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
+        and name not in names
+    }
+
+
+def _cast(value, dtype):
+    """`value` as a numpy array of the variable's dtype (bfloat16 through
+    ml-dtypes): every backend converts that without a guess."""
+    if keras.backend.standardize_dtype(dtype) == "bfloat16":
+        import ml_dtypes
+
+        return np.asarray(value).astype(ml_dtypes.bfloat16)
+    return np.asarray(value).astype(keras.backend.standardize_dtype(dtype))

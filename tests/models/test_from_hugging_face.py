@@ -1,0 +1,186 @@
+"""Hugging Face checkpoint folders loaded: for each family, a tiny seeded
+transformers model written by `save_pretrained` gives the same logits and the
+same greedy tokens (left-padded batches too) as transformers' own; config
+entries and tensors we cannot honour raise before anything is loaded."""
+
+import numpy as np
+import pytest
+
+import keras_attn
+from keras_attn.models import from_hugging_face
+from tests.helpers.backend import BACKEND, to_numpy
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCABULARY = 61
+NEW_TOKENS = 20
+LLAMA_LIKE = dict(
+    vocab_size=VOCABULARY,
+    hidden_size=24,
+    intermediate_size=40,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+GEMMA = dict(LLAMA_LIKE, head_dim=8, hidden_size=16)
+LLAMA_3_1 = dict(  # bands of 4 and 16 positions: every channel in some band
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+)
+# family: (transformers config class, its arguments)
+FAMILIES = {
+    "gpt2": (
+        "GPT2Config",
+        dict(vocab_size=VOCABULARY, n_embd=16, n_layer=2, n_head=2, n_positions=48),
+    ),
+    "llama2": ("LlamaConfig", dict(LLAMA_LIKE, rms_norm_eps=1e-5)),
+    "llama3.1": (
+        "LlamaConfig",
+        dict(
+            LLAMA_LIKE,
+            rope_parameters=dict(rope_theta=500000.0, **LLAMA_3_1),
+            rms_norm_eps=0.3,
+        ),
+    ),
+    "llama3.2": (
+        "LlamaConfig",
+        dict(LLAMA_LIKE, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    ),
+    "mistral": ("MistralConfig", dict(LLAMA_LIKE, sliding_window=5, head_dim=8)),
+    "qwen2": ("Qwen2Config", dict(LLAMA_LIKE, rms_norm_eps=0.1)),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            LLAMA_LIKE,
+            head_dim=8,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            use_sliding_window=True,
+            sliding_window=4,
+            rope_parameters=dict(rope_theta=1e4, rope_type="linear", factor=2.0),
+        ),
+    ),
+    "phi3": ("Phi3Config", dict(LLAMA_LIKE, sliding_window=6)),
+    "smollm3": (
+        "SmolLM3Config",
+        dict(
+            LLAMA_LIKE, no_rope_layers=[1, 0, 1], rope_parameters=dict(rope_theta=2e6)
+        ),
+    ),
+    "gemma": ("GemmaConfig", dict(GEMMA, rms_norm_eps=0.1)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            GEMMA,
+            sliding_window=4,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            query_pre_attn_scalar=12,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            GEMMA,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=12,
+            rope_parameters={
+                "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e4),
+            },
+        ),
+    ),
+}
+
+
+def transformers_model(family, dtype="float32", **overrides):
+    cls, kwargs = FAMILIES[family]
+    config = getattr(transformers, cls)(**{**kwargs, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights large enough that every option counts
+        for weight in model.parameters():
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """family: (folder, transformers model in float32), written once."""
+    written = {}
+    for family in FAMILIES:
+        model = transformers_model(family)
+        folder = str(tmp_path_factory.mktemp(family))
+        model.save_pretrained(folder)
+        written[family] = folder, model
+    return written
+
+
+def their_logits(model, token_ids):
+    with torch.no_grad():
+        return (
+            model(torch.as_tensor(token_ids, dtype=torch.long)).logits.float().numpy()
+        )
+
+
+def their_greedy(model, prompts):
+    """transformers' greedy tokens for left-padded `prompts` (0 = padding)."""
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=(ids != 0).long(),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[:, ids.shape[1] :].numpy()
+
+
+def assert_same_logits(actual, expected):
+    """Within 1e-4 of transformers' largest |logit| (float32)."""
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4 * scale)
+
+
+# TensorFlow decodes 12 small models faster eagerly than compiling each (51 s
+# against 66 s); the compiled loops are tested in tests/generation.
+JIT = False if BACKEND == "tensorflow" else "auto"
+TOKENS = np.random.default_rng(2).integers(1, VOCABULARY, (2, 13)).astype("int32")
+LEFT_PADDED = np.array([[0, 0, 0, 5, 9, 14, 3], [7, 11, 4, 8, 21, 30, 6]], "int32")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_tokens_equal_transformers(family, folders):
+    folder, reference = folders[family]
+    model = from_hugging_face(folder)
+    assert_same_logits(to_numpy(model(TOKENS)), their_logits(reference, TOKENS))
+    tokens = keras_attn.generation.generate(
+        model, LEFT_PADDED, max_new_tokens=NEW_TOKENS, jit_compile=JIT
+    )
+    np.testing.assert_array_equal(
+        np.asarray(tokens)[:, LEFT_PADDED.shape[1] :],
+        their_greedy(reference, LEFT_PADDED),
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_checkpoints_load_to_the_same_logits(family, tmp_path):
+    """bfloat16 files (ml-dtypes' arrays), computed in float32 on both sides."""
+    transformers_model(family, "bfloat16").save_pretrained(tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32
+    )
+    model = from_hugging_face(tmp_path, dtype="float32")
+    expected = their_logits(reference, TOKENS)
+    assert_same_logits(to_numpy(model(TOKENS)), expected)
