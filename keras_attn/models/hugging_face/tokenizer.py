@@ -61,8 +61,7 @@ def load_tokenizer(path):
     >>> backend.save(os.path.join(folder, "tokenizer.json"))
     >>> with open(os.path.join(folder, "config.json"), "w") as file:
     ...     json.dump({"bos_token_id": 1, "eos_token_id": 2}, file)
-    >>> from keras_attn.models.hugging_face.tokenizer import load_tokenizer
-    >>> tokenizer = load_tokenizer(folder)
+    >>> tokenizer = keras_attn.models.load_tokenizer(folder)
     >>> tokenizer.encode("hello world"), tokenizer.adds_bos_token
     ([1, 3, 4], True)
     >>> tokenizer.decode([1, 3, 4, 2]), tokenizer.decode([[3], [4, 4]])
