@@ -1,8 +1,9 @@
 """Smoke tests of the example programs: each runs end to end with tiny settings.
 
 Each example runs as a subprocess on the current `KERAS_BACKEND`, trains one
-epoch of a tiny model on a few hundred examples, and must exit with 0, write
-its outputs and end with its summary line. Its stdout is a pipe, as in a CI log:
+epoch of a tiny model on a few hundred examples (or loads a tiny checkpoint
+folder and generates), and must exit with 0, write its outputs and end with
+its summary line. Its stdout is a pipe, as in a CI log:
 it must hold no progress-bar redraws, and stderr none of TensorFlow's C++ log
 (which the examples keep quiet themselves). Whether the examples *learn* is
 checked by running them with their defaults (see README); these tests check
@@ -98,6 +99,15 @@ EXAMPLES = {
         r"reloaded on \w+: same logits \(to 1e-4\) and greedy tokens: yes",
         ("llama3_lora.keras",),
     ),
+    "generate_from_checkpoint": (  # a tiny seeded Llama (write_checkpoint)
+        "generate_from_checkpoint.py",
+        [
+            *("{output}/checkpoint", "--new-tokens", 6),
+            *("--prompt", "Hello world", "--prompt", "The lazy dog"),
+        ],
+        r"generated \d+ new tokens for 2 prompt\(s\) in \d+\.\d s on \w+",
+        ("generated.txt",),
+    ),
 }
 
 
@@ -112,6 +122,7 @@ RUNS_ON = {
     "gpt_addition": "tensorflow",
     "llama_docstrings": "torch",
     "convert_keras_hub": "torch",
+    "generate_from_checkpoint": "jax",
 }
 
 
@@ -119,6 +130,32 @@ def write_tsv(path):
     """80 pairs in the Tatoeba / Anki layout, with a third column to ignore."""
     rows = [f"I have {n} cats.\tJ'ai {n} chats.\tCC-BY 2.0 (France)" for n in range(80)]
     path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+
+def write_checkpoint(folder):
+    """A tiny seeded Llama as transformers writes it (config.json,
+    generation_config.json, model.safetensors), with a tiny tokenizer."""
+    import torch
+    import transformers
+
+    from tests.helpers.tiny_tokenizers import byte_level_bpe, write_tokenizer_folder
+
+    tokenizer = byte_level_bpe()
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,  # the tokenizer's BOS, end and padding ids
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    write_tokenizer_folder(folder, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +181,8 @@ def started(request, tmp_path_factory):
         output = tmp_path_factory.mktemp(name)
         if name == "translate_tsv":
             write_tsv(output / "pairs.tsv")
+        if name == "generate_from_checkpoint":
+            write_checkpoint(output / "checkpoint")
         flags = [str(flag).format(output=output) for flag in flags]
         command = [sys.executable, str(ROOT / "examples" / script), *flags]
         command += ["--output", str(output)]
