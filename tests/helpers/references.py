@@ -44,11 +44,11 @@ def attention_reference(layer, query, value, mask=None, bias=None):
     """softmax(QK^T / sqrt(d_k) + bias) V W_O from a MultiHeadAttention's own
     weights, in float64. `mask`: bool broadcastable to `(B, H, T, S)`; a query
     row that may attend to no key gives the output bias alone (the layer's
-    documented behaviour), not NaN."""
+    documented behaviour), not NaN. A projection without a bias adds 0."""
     w = {
         name: {
-            p: to_numpy(getattr(dense, p)).astype(np.float64)
-            for p in ("kernel", "bias")
+            p: 0.0 if w is None else to_numpy(w).astype(np.float64)
+            for p, w in (("kernel", dense.kernel), ("bias", dense.bias))
         }
         for name, dense in (
             ("q", layer.query_dense),

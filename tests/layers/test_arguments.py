@@ -121,6 +121,7 @@ def attention_rows(cls):
         *bool_rows(cls, "use_gate"),
         *positive_int_rows(cls, "sliding_window"),
         *bool_rows(cls, "use_bias"),
+        *bool_rows(cls, "use_output_bias", allow_none=True),
         *bool_rows(cls, "normalize_qk"),
         *positive_float_rows(cls, "logit_soft_cap", allow_none=True),
         *positive_float_rows(cls, "rope_max_wavelength", allow_none=True),
@@ -154,6 +155,7 @@ def block_rows(cls):
         init_row(cls, {"layer_norm_epsilon": "1e-5"}, TypeError, r"epsilon='1e-5'"),
         *bool_rows(cls, "normalize_first"),
         *bool_rows(cls, "gated_feedforward"),
+        *bool_rows(cls, "use_feedforward_bias", allow_none=True),
         init_row(
             cls,
             {"normalization": "batch_norm"},

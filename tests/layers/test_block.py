@@ -1,6 +1,7 @@
 """What both Transformer blocks share (keras_attn/layers/_block.py): the same
 numbers as keras-hub's blocks with keras-hub's weights, dropout on every
-branch, and gates, sliding windows and attention biases passed through."""
+branch, gates, sliding windows and attention biases passed through, and the
+biases of W_O and the feed-forward by their own options."""
 
 import numpy as np
 import pytest
@@ -151,3 +152,83 @@ def test_attention_biases_reach_each_attention_sublayer():
         encoder_attention_mask=cross_mask[:, 0],
     )
     np.testing.assert_allclose(to_numpy(biased), to_numpy(masked), **TOLERANCE)
+
+
+# --- Biases by sublayer: use_output_bias, use_feedforward_bias ----------------
+
+FEEDFORWARD = ("intermediate", "gate", "output")
+QKV = ("query", "key", "value")
+
+
+def bias_paths(block):
+    """The paths below `block` of its biases and norm offsets."""
+    paths = [w.path.split("/", 1)[1] for w in block.weights]
+    return {p for p in paths if p.endswith(("/bias", "/beta"))}
+
+
+@pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
+def test_output_and_feedforward_biases_follow_their_own_options(block):
+    """Qwen2's layout (`use_output_bias=False, use_feedforward_bias=False`):
+    query, key and value biases, none on W_O or the feed-forward matrices,
+    the layer norms' offsets kept; Llama's `mlp_bias=True` (`use_bias=False,
+    use_feedforward_bias=True`): the feed-forward biases alone."""
+    x, memory = random_floats(2, 3, 8), random_floats(2, 5, 8, seed=1)
+    inputs = (x,) if block is TransformerEncoder else (x, memory)
+    attentions = ("self_attention",) + (("cross_attention",) if len(inputs) > 1 else ())
+    norms = {f"{a}_layer_norm/beta" for a in attentions}
+    norms.add("feedforward_layer_norm/beta")
+    projections = {f"{a}/{p}/bias" for a in attentions for p in QKV}
+    feedforward = {f"feedforward_{d}_dense/bias" for d in FEEDFORWARD}
+    options = dict(gated_feedforward=True)
+    qwen = block(16, 4, use_output_bias=False, use_feedforward_bias=False, **options)
+    qwen(*inputs)
+    assert bias_paths(qwen) == projections | norms
+    assert qwen.self_attention.output_dense.bias is None
+    mlp_bias = block(16, 4, use_bias=False, use_feedforward_bias=True, **options)
+    mlp_bias(*inputs)
+    assert bias_paths(mlp_bias) == feedforward
+    full = block(16, 4, **options)
+    full(*inputs)
+    outputs = {f"{a}/attention_output/bias" for a in attentions}
+    assert bias_paths(full) == projections | norms | feedforward | outputs
+    assert len(full.weights) == len(qwen.weights) + len(outputs) + len(feedforward)
+
+
+BIAS_LAYOUTS = {
+    "qwen2": dict(use_output_bias=False, use_feedforward_bias=False),
+    "llama-attention-bias": dict(use_feedforward_bias=False),
+    "llama-mlp-bias": dict(use_bias=False, use_feedforward_bias=True),
+    "output-bias-only": dict(use_bias=False, use_output_bias=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(BIAS_LAYOUTS))
+@pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
+def test_a_missing_bias_computes_as_a_zero_one(block, layout):
+    """A block with `layout` gives the outputs of a block with every bias
+    (random weights) whose extra biases and norm offsets are zeroed, and
+    the biases they share copied: each bias is where its options say and
+    nowhere else."""
+    x, memory = random_floats(2, 5, 8), random_floats(2, 7, 8, seed=1)
+    inputs = (x,) if block is TransformerEncoder else (x, memory)
+    options = dict(gated_feedforward=True, num_key_value_heads=2)
+    special = block(16, 4, **options, **BIAS_LAYOUTS[layout])
+    full = block(16, 4, **options)
+    special(*inputs)
+    full(*inputs)
+    kept = {w.path.split("/", 1)[1]: w for w in special.weights}
+    zeroed = []
+    for seed, weight in enumerate(full.weights):
+        name = weight.path.split("/", 1)[1]
+        value = random_floats(*weight.shape, seed=seed, scale=0.5)
+        if name in kept:
+            kept.pop(name).assign(value)
+        else:  # a bias or an offset the layout leaves out
+            assert name.endswith(("/bias", "/beta")), name
+            value = np.zeros(weight.shape, "float32")
+            zeroed.append(name)
+        weight.assign(value)
+    assert zeroed and not kept  # the layout drops some; every weight has a twin
+    np.testing.assert_allclose(
+        to_numpy(special(*inputs)), to_numpy(full(*inputs)), **TOLERANCE
+    )

@@ -83,6 +83,24 @@ def test_every_sublayer_is_lean_and_the_numbers_keras_ones(
 
 
 @same_numbers
+def test_sublayers_without_a_bias_are_lean_with_keras_numbers(lean_calls, monkeypatch):
+    """Qwen2's biases (none on W_O and the feed-forward matrices): the
+    projections without a bias take the lean path, Keras' numbers."""
+    block = TransformerDecoder(
+        **BLOCK,
+        gated_feedforward=True,
+        use_output_bias=False,
+        use_feedforward_bias=False,
+    )
+    assert_same_as_keras_call(block, lean_calls, monkeypatch)
+    assert block.self_attention.output_dense.bias is None
+    assert block.feedforward_gate_dense.bias is None
+    for path in ("self_attention/attention_output", "feedforward_gate_dense"):
+        assert lean_calls[path], path
+    assert all(lean_calls.values()), lean_calls
+
+
+@same_numbers
 def test_lora_adapters_reach_the_lean_path(lean_calls, monkeypatch):
     block = TransformerDecoder(**BLOCK)
     block(random_floats(2, 5, 8), random_floats(2, 5, 8))
@@ -220,6 +238,27 @@ def test_keras_own_sublayers_run_as_their_torch_calls(
     assert torch_calls[normalization] > 0
     projections = 8 if policy == "mixed_float16" else 10  # 8 EinsumDense, 2 Dense
     assert torch_calls["projection"] == 2 * projections  # two calls: build, lean
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="Keras' own calls as torch calls")
+def test_a_decoding_binds_projections_without_a_bias(torch_calls):
+    """A decoding's bound projections (`SublayerCalls`) of a W_O and a
+    feed-forward matrix without a bias: torch calls, Keras' numbers."""
+    block = TransformerDecoder(
+        **BLOCK, use_output_bias=False, use_feedforward_bias=False
+    )
+    x = keras.ops.convert_to_tensor(random_floats(2, 5, 8))
+    block(x)
+    output, dense = block.self_attention.output_dense, block.feedforward_output_dense
+    context = keras.ops.convert_to_tensor(random_floats(2, 5, 2, 4, seed=1))
+    hidden = keras.ops.convert_to_tensor(random_floats(2, 5, 12, seed=2))
+    torch_calls.clear()
+    calls = _lean_call.SublayerCalls()
+    for layer, inputs in ((output, context), (dense, hidden)):
+        assert layer.bias is None
+        expected = to_numpy(layer(inputs))
+        np.testing.assert_array_equal(to_numpy(calls(layer, inputs)), expected)
+    assert torch_calls["projection"] == 2
 
 
 def test_a_layer_norm_over_other_axes_keeps_keras_call():

@@ -28,6 +28,8 @@ LLAMA = dict(
     use_bias=False,
     rope_max_wavelength=10000.0,
 )
+# Qwen2's biases: query, key and value alone (an attention option and a block one).
+QWEN2_BIASES = dict(use_bias=True, use_output_bias=False, use_feedforward_bias=False)
 
 
 def padded_batch(length=7):
@@ -108,6 +110,32 @@ def test_mistral_block_same_numbers_as_keras_hub():
     # Padded positions whose whole window is padding attend to nothing: ours
     # give zeros there, keras-hub a softmax over masked logits.
     np.testing.assert_allclose(actual[padding], expected[padding], **PARITY)
+
+
+def test_qwen2_block_same_numbers_as_keras_hub():
+    """Qwen2's block: LLaMA's, with biases on query, key and value alone
+    (`use_bias=True, use_output_bias=False, use_feedforward_bias=False`;
+    RMS norms have no offsets). The biases random, so that one in another's
+    place, or missing, cannot pass."""
+    module = hub_module("qwen.qwen_decoder")
+    theirs = module.QwenTransformerDecoder(
+        intermediate_dim=HIDDEN,
+        num_query_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        layer_norm_epsilon=1e-5,
+    )
+    ours = TransformerDecoder(**{**LLAMA, **QWEN2_BIASES})
+    x, padding = padded_batch()
+    theirs(x)
+    ours(x)
+    assert len(ours.weights) == len(theirs.weights) == 12
+    for seed, weight in enumerate(theirs.weights):
+        if weight.path.endswith("/bias"):
+            weight.assign(random_floats(*weight.shape, seed=20 + seed))
+    ours.set_weights(theirs.get_weights())  # the same order as keras-hub's
+    expected = to_numpy(theirs(x, decoder_padding_mask=padding))
+    actual = to_numpy(ours(x, decoder_padding_mask=padding))
+    np.testing.assert_allclose(actual, expected, **PARITY)
 
 
 GEMMA_NAMES = {
@@ -269,17 +297,28 @@ OUTPUT_NORMS = {"normalize_sublayer_outputs": True}  # a block option
     [
         (
             MultiHeadAttention,
-            {"num_heads": 4, "num_key_value_heads": 2, "rope_max_wavelength": 500.0},
+            {
+                "num_heads": 4,
+                "num_key_value_heads": 2,
+                "rope_max_wavelength": 500.0,
+                "use_output_bias": False,
+            },
             {"query": random_floats(2, 5, WIDTH)},
         ),
         (
             TransformerDecoder,
-            {**LLAMA, "sliding_window": 3, **OUTPUT_NORMS},
+            {**LLAMA, "sliding_window": 3, **OUTPUT_NORMS, **QWEN2_BIASES},
             {"decoder_sequence": random_floats(2, 5, WIDTH)},
         ),
         (
             TransformerEncoder,
-            {**LLAMA, "normalization": "layer_norm", **OUTPUT_NORMS},  # no offsets
+            # No offsets, feed-forward biases alone (Llama's `mlp_bias=True`).
+            {
+                **LLAMA,
+                "normalization": "layer_norm",
+                "use_feedforward_bias": True,
+                **OUTPUT_NORMS,
+            },
             {"inputs": random_floats(2, 5, WIDTH)},
         ),
     ],
@@ -287,10 +326,11 @@ OUTPUT_NORMS = {"normalize_sublayer_outputs": True}  # a block option
 )
 def test_layer_contract_with_every_new_option(tmp_path, layer_cls, kwargs, inputs):
     """Config, `.keras` round trip, spec, jit and mixed precision with RoPE,
-    QK-norm, soft-capping (and in the blocks RMSNorm, the gated network, no
-    biases, a window, the sublayers' output norms); quantize, LoRA and dtype
-    policy maps on the LLaMA block, which has every sublayer kind the others
-    have."""
+    QK-norm, soft-capping, biases on query, key and value alone (and in the
+    blocks RMSNorm, the gated network, a window, the sublayers' output
+    norms; in the encoder no biases but the feed-forward's); quantize, LoRA
+    and dtype policy maps on the LLaMA block, which has every sublayer kind
+    the others have."""
     run_layer_contract(
         layer_cls,
         {**kwargs, **MODERN},

@@ -54,6 +54,35 @@ def test_matches_numpy_reference_with_grouped_query_heads(kv_heads, flash_attent
     assert tuple(layer.key_dense.kernel.shape) == (8, kv_heads or 4, WIDTH // 4)
 
 
+@pytest.mark.parametrize(
+    "use_bias, use_output_bias", [(True, False), (False, True), (True, None)]
+)
+def test_output_bias_by_its_own_option_matches_numpy_reference(
+    use_bias, use_output_bias
+):
+    """W_O's bias by `use_output_bias` (`None`: as `use_bias`), the query,
+    key and value biases by `use_bias` (Qwen2: `True, False`), in the
+    weights, the config and the numbers (random biases)."""
+    layer = MultiHeadAttention(
+        num_heads=4,
+        num_key_value_heads=2,
+        use_bias=use_bias,
+        use_output_bias=use_output_bias,
+        bias_initializer=keras.initializers.RandomNormal(seed=1),
+    )
+    query, value = random_floats(B, TQ, WIDTH, seed=1), random_floats(B, TK, 8, seed=2)
+    output = layer(query, value)
+    biases = {w.path.split("/", 1)[1] for w in layer.weights if w.name == "bias"}
+    expected_biases = {f"{p}/bias" for p in ("query", "key", "value") if use_bias}
+    output_bias = use_bias if use_output_bias is None else use_output_bias
+    expected_biases |= {"attention_output/bias"} if output_bias else set()
+    assert biases == expected_biases
+    assert len(layer.weights) == 4 + len(expected_biases)
+    assert layer.get_config()["use_output_bias"] is use_output_bias
+    expected = attention_reference(layer, query, value)
+    np.testing.assert_allclose(to_numpy(output), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_and_explicit_paths_agree_with_every_mask():
     fused = MultiHeadAttention(num_heads=4, name="fused")
     explicit = MultiHeadAttention(num_heads=4, flash_attention=False)
