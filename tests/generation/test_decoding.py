@@ -1,6 +1,7 @@
 """Decoding equals the full pass: the layers' caches token by token, and
 `generate`'s greedy loop (padded prompts, RoPE, sliding windows and their
-attention sinks, the cache's segments) against the model called on the whole prefix."""
+attention sinks, the cache's segments, biases by sublayer) against the model
+called on the whole prefix."""
 
 import keras
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 import keras_attn
 from keras_attn.generation import generate
+from keras_attn.models import DecoderLMSpec, decoder_lm
 from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.builders import GENERATION_VOCAB as VOCAB
 from tests.helpers.builders import GENERATION_WIDTH as WIDTH
@@ -189,6 +191,40 @@ def test_rope_generation_crosses_cache_segments():
     model = llama_model(VOCAB, WIDTH, tied=False, normalize_sublayer_outputs=True)
     prompts = np.array([[3, 4, 5, 6], [7, 8, 9, 10]])
     tokens = generate(model, prompts, max_length=80)
+    assert_greedy(to_numpy(model(tokens)), tokens, start=4)
+
+
+def test_biases_by_sublayer_generate_the_full_pass_tokens():
+    """A `decoder_lm` whose block dicts carry the bias options (as a Hugging
+    Face folder gives them): Qwen2's block (biases on query, key and value
+    alone) and Llama's `mlp_bias=True` (feed-forward biases alone), every
+    bias random. Cached decoding (on PyTorch through the decoding's bound
+    projections, W_O without a bias) gives the full pass's argmax."""
+    keras.utils.set_random_seed(0)
+    block = dict(
+        intermediate_dim=32,
+        num_heads=4,
+        num_key_value_heads=2,
+        activation="silu",
+        normalize_first=True,
+        normalization="rms_norm",
+        gated_feedforward=True,
+        rope_max_wavelength=10000.0,
+    )
+    qwen2 = dict(
+        block, use_bias=True, use_output_bias=False, use_feedforward_bias=False
+    )
+    mlp_bias = dict(block, use_bias=False, use_feedforward_bias=True)
+    spec = DecoderLMSpec(
+        vocabulary_size=VOCAB, hidden_dim=WIDTH, blocks=(qwen2, mlp_bias)
+    )
+    model = decoder_lm(spec)
+    biases = [w for w in model.weights if w.name == "bias"]
+    assert len(biases) == 3 + 3  # query, key, value; three feed-forward matrices
+    for seed, bias in enumerate(biases):
+        bias.assign(random_floats(*bias.shape, seed=seed))
+    prompts = np.array([[3, 4, 5, 6], [7, 8, 9, 10]])
+    tokens = generate(model, prompts, max_length=12)
     assert_greedy(to_numpy(model(tokens)), tokens, start=4)
 
 
