@@ -10,6 +10,7 @@ from keras_attn.models.hugging_face import (
     Tokenizer,
     from_hugging_face,
     load_tokenizer,
+    to_hugging_face,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "from_keras_hub",
     "gelu_approximate",
     "load_tokenizer",
+    "to_hugging_face",
 ]

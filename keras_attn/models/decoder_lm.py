@@ -100,3 +100,58 @@ def _final_norm(spec):
         dtype=spec.dtype,
         name="final_norm",
     )
+
+
+# Layers `decoder_lm` builds besides the blocks, by name.
+_PARTS = (
+    "token_ids",
+    "token_embedding",
+    "embedding_scale",
+    "position_embedding",
+    "embedding_dropout",
+    "final_norm",
+)
+
+
+def spec_of(model):
+    """The `DecoderLMSpec` a model built by `decoder_lm` was built from, read
+    from its layers; a `ValueError` for a model of another shape."""
+    names = [layer.name for layer in model.layers]
+    blocks = [n for n in names if n.startswith("transformer_layer_")]
+    others = [n for n in names if n not in _PARTS and n not in blocks]
+    if others or "token_embedding" not in names or "final_norm" not in names:
+        raise ValueError(
+            "`model` must be a language model `keras_attn.models.decoder_lm` "
+            "builds (`from_hugging_face` and `from_keras_hub` return one). "
+            f"Received a model with the layers {names}."
+        )
+    embedding, norm = model.get_layer("token_embedding"), model.get_layer("final_norm")
+    optional = {n: model.get_layer(n) for n in _PARTS[2:5] if n in names}
+    rms = isinstance(norm, keras.layers.RMSNormalization)
+    return DecoderLMSpec(
+        vocabulary_size=embedding.input_dim,
+        hidden_dim=embedding.output_dim,
+        blocks=tuple(_block_arguments(model.get_layer(n)) for n in blocks),
+        normalization="rms_norm" if rms else "layer_norm",
+        layer_norm_epsilon=norm.epsilon,
+        use_bias=False if rms else norm.center,
+        tie_weights=embedding.tie_weights,
+        positions=_get(optional, "position_embedding", "sequence_length"),
+        embedding_scale=_get(optional, "embedding_scale", "scale"),
+        final_logit_soft_cap=embedding.logit_soft_cap,
+        dropout=_get(optional, "embedding_dropout", "rate") or 0.0,
+        dtype=model.dtype_policy.name,
+    )
+
+
+def _block_arguments(block):
+    """A block's arguments as `decoder_lm` takes them (its config without
+    the base layer's entries)."""
+    config = block.get_config()
+    for key in ("name", "trainable", "dtype"):
+        config.pop(key, None)
+    return config
+
+
+def _get(layers, name, attribute):
+    return getattr(layers[name], attribute) if name in layers else None

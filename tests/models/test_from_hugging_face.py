@@ -3,6 +3,9 @@ transformers model written by `save_pretrained` gives the same logits and the
 same greedy tokens (left-padded batches too) as transformers' own; config
 entries and tensors we cannot honour raise before anything is loaded."""
 
+import os
+
+import keras
 import numpy as np
 import pytest
 
@@ -184,3 +187,75 @@ def test_bfloat16_checkpoints_load_to_the_same_logits(family, tmp_path):
     model = from_hugging_face(tmp_path, dtype="float32")
     expected = their_logits(reference, TOKENS)
     assert_same_logits(to_numpy(model(TOKENS)), expected)
+
+
+# Each family's folder, loaded, written back, and loaded by transformers.
+ROUND_TRIP = {family: family.split(".")[0].rstrip("0123456789") for family in FAMILIES}
+ROUND_TRIP.update(llama2="llama", gemma2="gemma2", gemma3="gemma3_text", qwen2="qwen2")
+ROUND_TRIP.update(qwen3="qwen3", smollm3="smollm3", gpt2="gpt2", phi3="mistral")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_to_hugging_face_round_trips_through_transformers(family, folders, tmp_path):
+    """transformers loads what we write to its own logits; Phi-3's fused
+    layout is written as Mistral's (the same maths) unless asked for."""
+    folder, reference = folders[family]
+    model = from_hugging_face(folder)
+    written = keras_attn.models.to_hugging_face(model, tmp_path)
+    assert written == ROUND_TRIP[family]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_same_logits(their_logits(theirs, TOKENS), their_logits(reference, TOKENS))
+
+
+def test_phi3_written_fused_when_asked(folders, tmp_path):
+    folder, reference = folders["phi3"]
+    model = from_hugging_face(folder)
+    assert keras_attn.models.to_hugging_face(model, tmp_path, "phi3") == "phi3"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_same_logits(their_logits(theirs, TOKENS), their_logits(reference, TOKENS))
+
+
+def test_a_fine_tuned_model_goes_back_with_lora_merged(folders, tmp_path):
+    """LoRA's product is in the kernels written; a `.keras` file of the
+    loaded model reloads to the same logits."""
+    model = from_hugging_face(folders["qwen2"][0])
+    model.get_layer("transformer_layer_1").enable_lora(2)
+    for weight in model.weights:
+        if "lora_kernel_b" in weight.path:  # Keras starts B at zero
+            weight.assign(np.full(weight.shape, 0.05, weight.dtype))
+    ours = to_numpy(model(TOKENS))
+    keras_attn.models.to_hugging_face(model, tmp_path / "hf", dtype="float32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert_same_logits(their_logits(theirs, TOKENS), ours)
+    model.save(tmp_path / "model.keras")
+    reloaded = keras.models.load_model(tmp_path / "model.keras")
+    np.testing.assert_array_equal(to_numpy(reloaded(TOKENS)), ours)
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(attention_sinks=2, sliding_window=3), "attention_sinks"),
+        (dict(use_gate=True), "use_gate"),
+    ],
+)
+def test_a_model_no_config_describes_is_refused_before_writing(change, named, tmp_path):
+    block = dict(
+        intermediate_dim=24,
+        num_heads=2,
+        normalize_first=True,
+        normalization="rms_norm",
+        gated_feedforward=True,
+        use_bias=False,
+        activation="silu",
+        rope_max_wavelength=1e4,
+    )
+    spec = keras_attn.models.DecoderLMSpec(
+        vocabulary_size=VOCABULARY, hidden_dim=8, blocks=({**block, **change},)
+    )
+    model = keras_attn.models.decoder_lm(spec)
+    with pytest.raises(ValueError, match=f"llama: .*{named}"):
+        keras_attn.models.to_hugging_face(model, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(ValueError, match="model_type"):
+        keras_attn.models.to_hugging_face(model, tmp_path, model_type="bert")

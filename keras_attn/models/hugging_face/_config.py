@@ -50,7 +50,7 @@ class HFConfig:
 
     def __init__(self, values, path):
         self.values, self.path = values, path
-        self.read = set(NEUTRAL)
+        self.read = set(NEUTRAL) | {"model_type"}
         self.family = values.get("model_type")
 
     def __getitem__(self, key):

@@ -37,7 +37,7 @@ def read_family(config, dtype):
 def _llama_like(config, dtype, **features):
     """LLaMA, Mistral, Qwen2/3, Phi-3, SmolLM3: pre-norm RMS blocks with a
     gated feed-forward and rotary positions; `features` say what differs."""
-    count = config["num_hidden_layers"]
+    count, fused = config["num_hidden_layers"], features.get("fused", False)
     types = _layer_types(config, count, features.get("windows", "layer_types"))
     no_rope = _no_rope_layers(config, count) if features.get("no_rope") else ()
     blocks = tuple(
@@ -50,18 +50,20 @@ def _llama_like(config, dtype, **features):
         blocks=blocks,
         layer_norm_epsilon=float(config["rms_norm_eps"]),
         tie_weights=bool(config.get("tie_word_embeddings", features["tied"])),
-        dropout=float(config.get("embd_pdrop", 0.0)),
+        dropout=float(config.get("embd_pdrop", 0.0)) if fused else 0.0,  # Phi-3
         dtype=dtype,
     )
-    fused = features.get("fused", False)
     return spec, _llama_links(spec, "model.", fused)
 
 
 def _llama_block(config, features, layer_type, rope):
     heads = config["num_attention_heads"]
     attention_bias = features.get("attention_bias")
-    if attention_bias is None:
+    if attention_bias is None:  # families whose transformers model reads it
         attention_bias = bool(config.get("attention_bias", False))
+    mlp_bias = features.get("mlp_bias")
+    if mlp_bias is None:
+        mlp_bias = bool(config.get("mlp_bias", False))
     block = dict(
         intermediate_dim=config["intermediate_size"],
         num_heads=heads,
@@ -75,7 +77,7 @@ def _llama_block(config, features, layer_type, rope):
         gated_feedforward=True,
         use_bias=attention_bias,
         use_output_bias=features.get("output_bias", attention_bias),
-        use_feedforward_bias=bool(config.get("mlp_bias", False)),
+        use_feedforward_bias=mlp_bias,
         sliding_window=config["sliding_window"] if layer_type == SLIDING else None,
     )
     if features.get("qk_norm"):
@@ -219,21 +221,26 @@ def _llama(config, dtype):
     return _llama_like(config, dtype, tied=False, windows="none")
 
 
+FIXED_BIASES = dict(attention_bias=False, mlp_bias=False)
+
+
 def _mistral(config, dtype):
-    return _llama_like(config, dtype, tied=False, windows="all")
+    return _llama_like(config, dtype, tied=False, windows="all", **FIXED_BIASES)
 
 
 def _qwen2(config, dtype):
     _read_sliding_flags(config)
     return _llama_like(
         config, dtype, tied=False, attention_bias=True, output_bias=False,
-        windows=_qwen_windows,
+        mlp_bias=False, windows=_qwen_windows,
     )  # fmt: skip
 
 
 def _qwen3(config, dtype):
     _read_sliding_flags(config)
-    return _llama_like(config, dtype, tied=False, qk_norm=True, windows=_qwen_windows)
+    return _llama_like(
+        config, dtype, tied=False, qk_norm=True, mlp_bias=False, windows=_qwen_windows
+    )
 
 
 def _read_sliding_flags(config):
@@ -246,7 +253,7 @@ def _read_sliding_flags(config):
 def _phi3(config, dtype):
     return _llama_like(
         config, dtype, tied=False, windows="all", fused=True,
-        residual_dropout="resid_pdrop",
+        residual_dropout="resid_pdrop", **FIXED_BIASES,
     )  # fmt: skip
 
 

@@ -65,7 +65,6 @@ def from_hugging_face(path, dtype=None):
             f"`from_hugging_face` loads the model types {sorted(FAMILIES)}. "
             f"Received: model_type={config.family!r} in {checkpoint.path}."
         )
-    config.get("model_type")
     policy = keras.dtype_policies.get(dtype or keras.config.dtype_policy())
     spec, links = read_family(config, policy.name)
     config.check_all_read()
@@ -78,11 +77,12 @@ def from_hugging_face(path, dtype=None):
         )
     model = decoder_lm(spec, name=f"{config.family}_keras_attn")
     names = _resolve(links, {v.path: tuple(v.shape) for v in model.weights}, checkpoint)
+    _check_tied_copy(links, names, checkpoint)
     variables = {v.path: v for v in model.weights}
     for item, name in zip(links, names, strict=True):
         shapes = {path: tuple(variables[path].shape) for path in item.ours}
         for path, value in item.load(checkpoint.read(name), shapes).items():
-            variables[path].assign(_cast(value, variables[path].dtype))
+            variables[path].assign(cast(value, variables[path].dtype))
     return model
 
 
@@ -118,6 +118,26 @@ def _resolve(links, shapes, checkpoint):
     return names
 
 
+def _check_tied_copy(links, names, checkpoint):
+    """A tied head's stored `lm_head.weight` must equal the token table:
+    transformers ties them only then, and else keeps both (with a warning),
+    which `tie_word_embeddings` misdescribes. Reads these two tensors alone."""
+    if "lm_head.weight" in names or "lm_head.weight" not in checkpoint.shapes:
+        return
+    table = next(
+        name
+        for item, name in zip(links, names, strict=True)
+        if item.ours == ("token_embedding/embeddings",)
+    )
+    if not np.array_equal(checkpoint.read(table), checkpoint.read("lm_head.weight")):
+        raise ValueError(
+            f"The config at {checkpoint.path} has tie_word_embeddings=True, but "
+            f"its lm_head.weight differs from {table}: transformers then keeps "
+            "both. Set tie_word_embeddings to false in config.json to load this "
+            "head, or drop lm_head.weight. Nothing was loaded."
+        )
+
+
 def _name(theirs, checkpoint):
     """`theirs` in the checkpoint, or the same without the base model's
     prefix (GPT-2's original files have `h.0...`, not `transformer.h.0...`)."""
@@ -140,7 +160,7 @@ def _ignored(checkpoint, names):
     }
 
 
-def _cast(value, dtype):
+def cast(value, dtype):
     """`value` as a numpy array of the variable's dtype (bfloat16 through
     ml-dtypes): every backend converts that without a guess."""
     if keras.backend.standardize_dtype(dtype) == "bfloat16":

@@ -40,7 +40,9 @@ def rope_options(config, layer_type=None, default_theta=10000.0):
     parameters per type)."""
     params = _parameters(config, layer_type, default_theta)
     rope_type = params.pop("rope_type", params.pop("type", "default"))
-    theta = float(params.pop("rope_theta"))
+    theta = params.pop("rope_theta")
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        config.refuse("rope_theta", "the rotary base must be a positive number.", theta)
     partial = params.pop("partial_rotary_factor", 1.0)
     if partial != 1.0:
         config.refuse(
@@ -60,7 +62,7 @@ def rope_options(config, layer_type=None, default_theta=10000.0):
             "rope_parameters", f"its entries {unknown} are not computed here.", params
         )
     scaling = _scaling(config, rope_type, params)
-    return {"rope_max_wavelength": theta, "rope_scaling": scaling}
+    return {"rope_max_wavelength": float(theta), "rope_scaling": scaling}
 
 
 def _parameters(config, layer_type, default_theta):
