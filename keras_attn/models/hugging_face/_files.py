@@ -50,22 +50,8 @@ class Checkpoint:
 def open_checkpoint(path):
     """The `Checkpoint` of the folder `path`; a clear error where the folder,
     its config or its weights are missing or unreadable."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            "`path` must be a local folder (a str or os.PathLike) holding "
-            f"config.json and safetensors files. Received: {path!r} of type "
-            f"{type(path).__name__}."
-        )
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"`path` must be a local checkpoint folder; {path!r} is not a "
-            "folder. Nothing is downloaded: fetch the folder first with the "
-            "hub's own tool (e.g. `hf download <repo> --local-dir <folder>`)."
-        )
-    config = _read_json(os.path.join(path, CONFIG), path)
-    if not isinstance(config, dict):
-        raise ValueError(f"{os.path.join(path, CONFIG)} must hold a JSON object.")
+    path = checked_folder(path, "config.json and safetensors files")
+    config = read_json(path, CONFIG)
     shapes, dtypes, files = {}, {}, {}
     for file in _weight_files(path):
         for name, (shape, dtype) in _header(file).items():
@@ -73,17 +59,51 @@ def open_checkpoint(path):
     return Checkpoint(path, config, shapes, dtypes, files)
 
 
-def _read_json(file, folder):
-    if not os.path.isfile(file):
+def checked_folder(path, holding):
+    """`path` as a str, once it is an existing folder (`holding`: what it
+    should hold, for the messages)."""
+    if not isinstance(path, (str, os.PathLike)):
+        shown = repr(path) if len(repr(path)) <= 80 else repr(path)[:77] + "..."
+        raise TypeError(
+            f"`path` must be a local folder (a str or os.PathLike) holding "
+            f"{holding}. Received: {shown} of type {type(path).__name__}."
+        )
+    folder = os.fspath(path)
+    if not os.path.exists(folder):
         raise FileNotFoundError(
-            f"The checkpoint folder {folder!r} has no {os.path.basename(file)}. "
+            f"`path` must be a local checkpoint folder; {folder!r} does not "
+            "exist. Nothing is downloaded: fetch the folder first with the "
+            "hub's own tool (e.g. `hf download <repo> --local-dir <folder>`)."
+        )
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"`path` must be the checkpoint folder, not a file. Received: "
+            f"{folder!r}. Pass the folder that holds {holding}."
+        )
+    return folder
+
+
+def read_json(folder, name, optional=False):
+    """The JSON object in the folder's file `name`; `{}` for a missing
+    `optional` file, a FileNotFoundError for a missing required one."""
+    file = os.path.join(folder, name)
+    if not os.path.isfile(file):
+        if optional:
+            return {}
+        raise FileNotFoundError(
+            f"The checkpoint folder {folder!r} has no {name}. "
             f"It holds: {sorted(os.listdir(folder))}."
         )
     try:
         with open(file, encoding="utf-8") as handle:
-            return json.load(handle)
+            content = json.load(handle)
     except (OSError, ValueError) as error:
         raise ValueError(f"Cannot read {file} as JSON: {error}") from error
+    if not isinstance(content, dict):
+        raise ValueError(
+            f"{file} must hold a JSON object. Received: {type(content).__name__}."
+        )
+    return content
 
 
 def _weight_files(path):
@@ -91,7 +111,7 @@ def _weight_files(path):
     `model.safetensors`."""
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):
-        weight_map = _read_json(index, path).get("weight_map")
+        weight_map = read_json(path, INDEX).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no `weight_map` of tensor names to files.")
         files = sorted({os.path.join(path, f) for f in weight_map.values()})

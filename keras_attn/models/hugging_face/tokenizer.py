@@ -2,10 +2,11 @@
 read with the `tokenizers` package, and the special token ids the folder
 declares."""
 
-import json
 import os
 
 import numpy as np
+
+from keras_attn.models.hugging_face._files import checked_folder, read_json
 
 TOKENIZER = "tokenizer.json"
 # Where a folder declares its special token ids (`bos_token_id`, ...), first
@@ -71,7 +72,9 @@ def load_tokenizer(path):
     >>> shutil.rmtree(folder)
     """
     folder = _checked_folder(path)
-    declared = [_read_json(folder, name) for name in (*ID_FILES, *TOKEN_FILES)]
+    declared = [
+        read_json(folder, name, optional=True) for name in (*ID_FILES, *TOKEN_FILES)
+    ]
     tokenizers = _import_tokenizers()
     file = os.path.join(folder, TOKENIZER)
     try:
@@ -203,23 +206,7 @@ class Tokenizer:
 
 def _checked_folder(path):
     """`path` as a str, once it is a folder holding tokenizer.json."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            "`path` must be a local folder (a str or os.PathLike) holding "
-            f"{TOKENIZER}. Received: {_shown(path)} of type {type(path).__name__}."
-        )
-    folder = os.fspath(path)
-    if not os.path.exists(folder):
-        raise FileNotFoundError(
-            f"`path` must be a local checkpoint folder; {folder!r} does not "
-            "exist. Nothing is downloaded: fetch the folder first with the "
-            "hub's own tool (e.g. `hf download <repo> --local-dir <folder>`)."
-        )
-    if not os.path.isdir(folder):
-        raise ValueError(
-            f"`path` must be the checkpoint folder, not a file. Received: "
-            f"{folder!r}. Pass the folder that holds {TOKENIZER}."
-        )
+    folder = checked_folder(path, TOKENIZER)
     if not os.path.isfile(os.path.join(folder, TOKENIZER)):
         raise FileNotFoundError(
             f"The checkpoint folder {folder!r} has no {TOKENIZER}; it holds "
@@ -228,23 +215,6 @@ def _checked_folder(path):
             "`AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`."
         )
     return folder
-
-
-def _read_json(folder, name):
-    """The JSON object in the folder's file `name`, or `{}` if there is none."""
-    file = os.path.join(folder, name)
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as handle:
-            content = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"Cannot read {file} as JSON: {error}") from error
-    if not isinstance(content, dict):
-        raise ValueError(
-            f"{file} must hold a JSON object. Received: {type(content).__name__}."
-        )
-    return content
 
 
 def _import_tokenizers():
