@@ -72,7 +72,8 @@ def _parameters(config, layer_type, default_theta):
     if new and old:
         config.refuse("rope_scaling", "the config also has `rope_parameters`.")
     params = dict(new or old or {})
-    if layer_type is not None and layer_type in params:
+    nested = layer_type is not None and layer_type in params
+    if nested:
         params = dict(params[layer_type])
     elif layer_type == "sliding_attention" and not new:  # Gemma 3, transformers 4
         params = {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
@@ -82,10 +83,13 @@ def _parameters(config, layer_type, default_theta):
         params.setdefault("partial_rotary_factor", top_partial)
     if params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope"):
         # Phi-3 keeps the pretraining length beside the rope dict, and
-        # transformers gives it priority; else the position limit stands in.
+        # transformers gives it priority over the dict's (not over a dict per
+        # layer type); else the position limit stands in.
         original = config.get("original_max_position_embeddings")
-        original = original or config.get("max_position_embeddings")
-        params.setdefault("original_max_position_embeddings", original)
+        if original is not None and not nested:
+            params["original_max_position_embeddings"] = original
+        limit = config.get("max_position_embeddings")
+        params.setdefault("original_max_position_embeddings", limit)
     else:
         config.get("original_max_position_embeddings")  # used by no other type
     return params
