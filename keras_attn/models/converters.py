@@ -6,6 +6,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_attn.models._config_entries import ConfigEntries
 from keras_attn.models.activations import gelu_approximate
 from keras_attn.models.decoder_lm import DecoderLMSpec, decoder_lm
 
@@ -139,27 +140,14 @@ def _backbone(model):
     return backbone
 
 
-class _Config:
+class _Config(ConfigEntries):
     """A keras-hub backbone's config, read entry by entry: an entry no family
     reader read is an option keras_attn does not convert (`check_all_read`)."""
 
     def __init__(self, backbone):
-        self.family = type(backbone).__name__
-        self.values = backbone.get_config()
-        self.read = set(_LAYER_ENTRIES)
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return self.values[key]
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return self.values.get(key, default)
-
-    def refuse(self, key, why, value=None):
-        value = self.values.get(key) if value is None else value
-        raise ValueError(
-            f"`from_keras_hub` cannot convert {self.family} with {key}={value!r}: {why}"
+        family = type(backbone).__name__
+        super().__init__(
+            backbone.get_config(), family, "from_keras_hub", _LAYER_ENTRIES
         )
 
     def ignored_by_keras_hub(self, key, how):
@@ -171,15 +159,6 @@ class _Config:
             "keras-hub model computes, without it.",
             stacklevel=4,
         )
-
-    def check_all_read(self):
-        unread = sorted(set(self.values) - self.read)
-        if unread:
-            raise ValueError(
-                f"`from_keras_hub` does not know the {self.family} option(s) "
-                f"{unread} (values {[self.values[k] for k in unread]}), so it "
-                "cannot promise the same numbers. Convert a model without them."
-            )
 
 
 def copy_weights(ours, backbone, names):

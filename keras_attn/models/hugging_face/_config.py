@@ -1,6 +1,8 @@
 """A Hugging Face `config.json`, read entry by entry: every entry is read by
 the family's reader, or known not to change the logits, or refused by name."""
 
+from keras_attn.models._config_entries import ConfigEntries
+
 # Entries that never change what a causal LM computes from token ids:
 # bookkeeping, special token ids, caching, initialization, label maps, and
 # heads a causal LM does not use (GPT-2's sequence summary).
@@ -44,46 +46,20 @@ NEUTRAL = frozenset(
 )
 
 
-class HFConfig:
-    """`config.json`'s entries, each read at most through `get`/`[]`;
-    `check_all_read` refuses any entry nobody read that is not `NEUTRAL`."""
+class HFConfig(ConfigEntries):
+    """`config.json`'s entries (`values`), each read at most through
+    `get`/`[]`; `check_all_read` refuses any entry nobody read that is not
+    `NEUTRAL`."""
+
+    verb = "load"
 
     def __init__(self, values, path):
-        self.values, self.path = values, path
-        self.read = set(NEUTRAL) | {"model_type"}
-        self.family = values.get("model_type")
-
-    def __getitem__(self, key):
-        if key not in self.values:
-            raise ValueError(
-                f"The {self.family} config at {self.path} has no `{key}`, which "
-                "this family needs."
-            )
-        self.read.add(key)
-        return self.values[key]
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        value = self.values.get(key)
-        return default if value is None else value
-
-    def refuse(self, key, why, value=None):
-        value = self.values.get(key) if value is None else value
-        raise ValueError(
-            f"`from_hugging_face` cannot load {self.family} with {key}={value!r}: {why}"
-        )
+        super().__init__(values, values.get("model_type"), "from_hugging_face", NEUTRAL)
+        self.read.add("model_type")
+        self.path = path
 
     def require(self, key, expected, why):
         """Refuse unless the entry is absent or `expected` (a value we compute)."""
         value = self.get(key)
         if value is not None and value != expected:
             self.refuse(key, why)
-
-    def check_all_read(self):
-        unread = sorted(set(self.values) - self.read)
-        if unread:
-            raise ValueError(
-                f"`from_hugging_face` does not know the {self.family} config "
-                f"entries {unread} (values {[self.values[k] for k in unread]}), so "
-                "it cannot promise the same numbers. Nothing was loaded."
-            )
