@@ -12,6 +12,11 @@ import pytest
 import keras_attn
 from keras_attn.models import from_hugging_face
 from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.hugging_face import (
+    assert_same_logits,
+    tiny_causal_lm,
+    transformers_logits,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -104,16 +109,9 @@ FAMILIES = {
 }
 
 
-def transformers_model(family, dtype="float32", **overrides):
+def transformers_model(family, dtype="float32"):
     cls, kwargs = FAMILIES[family]
-    config = getattr(transformers, cls)(**{**kwargs, **overrides})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # weights large enough that every option counts
-        for weight in model.parameters():
-            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
-    return model.to(getattr(torch, dtype)).eval()
+    return tiny_causal_lm(cls, dtype, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +124,6 @@ def folders(tmp_path_factory):
         model.save_pretrained(folder)
         written[family] = folder, model
     return written
-
-
-def their_logits(model, token_ids):
-    with torch.no_grad():
-        return (
-            model(torch.as_tensor(token_ids, dtype=torch.long)).logits.float().numpy()
-        )
 
 
 def their_greedy(model, prompts):
@@ -150,12 +141,6 @@ def their_greedy(model, prompts):
     return out[:, ids.shape[1] :].numpy()
 
 
-def assert_same_logits(actual, expected):
-    """Within 1e-4 of transformers' largest |logit| (float32)."""
-    scale = np.abs(expected).max()
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4 * scale)
-
-
 # TensorFlow decodes 12 small models faster eagerly than compiling each (51 s
 # against 66 s); the compiled loops are tested in tests/generation.
 JIT = False if BACKEND == "tensorflow" else "auto"
@@ -167,7 +152,7 @@ LEFT_PADDED = np.array([[0, 0, 0, 5, 9, 14, 3], [7, 11, 4, 8, 21, 30, 6]], "int3
 def test_logits_and_greedy_tokens_equal_transformers(family, folders):
     folder, reference = folders[family]
     model = from_hugging_face(folder)
-    assert_same_logits(to_numpy(model(TOKENS)), their_logits(reference, TOKENS))
+    assert_same_logits(to_numpy(model(TOKENS)), transformers_logits(reference, TOKENS))
     tokens = keras_attn.generation.generate(
         model, LEFT_PADDED, max_new_tokens=NEW_TOKENS, jit_compile=JIT
     )
@@ -185,14 +170,18 @@ def test_bfloat16_checkpoints_load_to_the_same_logits(family, tmp_path):
         tmp_path, dtype=torch.float32
     )
     model = from_hugging_face(tmp_path, dtype="float32")
-    expected = their_logits(reference, TOKENS)
+    expected = transformers_logits(reference, TOKENS)
     assert_same_logits(to_numpy(model(TOKENS)), expected)
 
 
-# Each family's folder, loaded, written back, and loaded by transformers.
-ROUND_TRIP = {family: family.split(".")[0].rstrip("0123456789") for family in FAMILIES}
-ROUND_TRIP.update(llama2="llama", gemma2="gemma2", gemma3="gemma3_text", qwen2="qwen2")
-ROUND_TRIP.update(qwen3="qwen3", smollm3="smollm3", gpt2="gpt2", phi3="mistral")
+# The family `to_hugging_face` writes for each folder loaded: its own, but
+# Phi-3's as Mistral (the same maths, unfused) unless asked for.
+WRITTEN_AS = {
+    **{family: family.split(".")[0] for family in FAMILIES},
+    "llama2": "llama",
+    "gemma3": "gemma3_text",
+    "phi3": "mistral",
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -202,9 +191,11 @@ def test_to_hugging_face_round_trips_through_transformers(family, folders, tmp_p
     folder, reference = folders[family]
     model = from_hugging_face(folder)
     written = keras_attn.models.to_hugging_face(model, tmp_path)
-    assert written == ROUND_TRIP[family]
+    assert written == WRITTEN_AS[family]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert_same_logits(their_logits(theirs, TOKENS), their_logits(reference, TOKENS))
+    assert_same_logits(
+        transformers_logits(theirs, TOKENS), transformers_logits(reference, TOKENS)
+    )
 
 
 def test_phi3_written_fused_when_asked(folders, tmp_path):
@@ -212,7 +203,9 @@ def test_phi3_written_fused_when_asked(folders, tmp_path):
     model = from_hugging_face(folder)
     assert keras_attn.models.to_hugging_face(model, tmp_path, "phi3") == "phi3"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert_same_logits(their_logits(theirs, TOKENS), their_logits(reference, TOKENS))
+    assert_same_logits(
+        transformers_logits(theirs, TOKENS), transformers_logits(reference, TOKENS)
+    )
 
 
 def test_a_fine_tuned_model_goes_back_with_lora_merged(folders, tmp_path):
@@ -226,7 +219,7 @@ def test_a_fine_tuned_model_goes_back_with_lora_merged(folders, tmp_path):
     ours = to_numpy(model(TOKENS))
     keras_attn.models.to_hugging_face(model, tmp_path / "hf", dtype="float32")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert_same_logits(their_logits(theirs, TOKENS), ours)
+    assert_same_logits(transformers_logits(theirs, TOKENS), ours)
     model.save(tmp_path / "model.keras")
     reloaded = keras.models.load_model(tmp_path / "model.keras")
     np.testing.assert_array_equal(to_numpy(reloaded(TOKENS)), ours)

@@ -17,6 +17,11 @@ import pytest
 from keras_attn.models import from_hugging_face
 from keras_attn.models.hugging_face import _files
 from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.hugging_face import (
+    assert_same_logits,
+    tiny_causal_lm,
+    transformers_logits,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,25 +55,13 @@ FAMILIES_WE_LOAD = (
 )  # fmt: skip
 
 
-def tiny(config_class, **kwargs):
-    """A seeded transformers causal LM, weights large enough to matter."""
-    config = getattr(transformers, config_class)(**kwargs)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for weight in model.parameters():
-            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name: (folder, transformers model), each written once."""
     models = {
-        "llama": tiny("LlamaConfig", **LLAMA),
-        "gpt2": tiny("GPT2Config", **GPT2),
-        "gemma2": tiny("Gemma2Config", **GEMMA2),
+        "llama": tiny_causal_lm("LlamaConfig", **LLAMA),
+        "gpt2": tiny_causal_lm("GPT2Config", **GPT2),
+        "gemma2": tiny_causal_lm("Gemma2Config", **GEMMA2),
     }
     written = {}
     for name, model in models.items():
@@ -124,8 +117,7 @@ def edit_tensors(folder, edit):
 
 def their_logits(folder):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        return model(torch.as_tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    return transformers_logits(model, TOKENS)
 
 
 def our_logits(folder):
@@ -133,11 +125,6 @@ def our_logits(folder):
     if BACKEND == "jax":  # one compiled call beats compiling each op (2.5x)
         return model.predict(TOKENS, verbose=0)
     return to_numpy(model(TOKENS))
-
-
-def assert_same_logits(actual, expected):
-    scale = np.abs(expected).max()
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4 * scale)
 
 
 # --- Files ----------------------------------------------------------------------
