@@ -91,13 +91,17 @@ def no_weight_reads(monkeypatch):
     monkeypatch.setattr(_files.Checkpoint, "read", read)
 
 
+DELETE = object()
+
+
 def edit_config(folder, **changes):
-    """Set config.json's entries; a value of `None` deletes the entry."""
+    """Set config.json's entries; a value of `DELETE` deletes the entry
+    (`None` writes null: transformers reads the two differently)."""
     file = os.path.join(folder, "config.json")
     with open(file) as handle:
         config = json.load(handle)
     for key, value in changes.items():
-        if value is None:
+        if value is DELETE:
             config.pop(key, None)
         else:
             config[key] = value
@@ -400,7 +404,7 @@ def test_transformers_4_rope_scaling_is_honoured(copy, saved):
     5's `rope_parameters` computes, and the scaling does change the logits."""
     old = edit_config(
         copy("llama", "old"),
-        rope_parameters=None,
+        rope_parameters=DELETE,
         rope_theta=10000.0,
         rope_scaling={"type": "linear", "factor": 2.0},
     )

@@ -42,8 +42,38 @@ NEUTRAL = frozenset(
         "max_position_embeddings",  # a limit, not a number in the maths
         "n_ctx",
         "generation_config",
+        "auto_map",  # remote code transformers runs only if trusted
     }
 )
+# Entries a family's transformers config class fills in when config.json
+# lacks them (transformers 5.24's class defaults): an absent entry means
+# these, an entry of `null` means none.
+DEFAULTS = {
+    "gpt2": {"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5},
+    "llama": {"hidden_act": "silu", "rms_norm_eps": 1e-6},
+    "mistral": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "sliding_window": 4096},
+    "qwen2": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_window_layers": 28},
+    "qwen3": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_window_layers": 28},
+    "phi3": {"hidden_act": "silu", "rms_norm_eps": 1e-5},
+    "smollm3": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 2e6},
+    "gemma": {"hidden_act": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6},
+    "gemma2": {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 256,
+    },
+    "gemma3_text": {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+    },
+}
 
 
 class HFConfig(ConfigEntries):
@@ -53,10 +83,24 @@ class HFConfig(ConfigEntries):
 
     verb = "load"
 
-    def __init__(self, values, path):
-        super().__init__(values, values.get("model_type"), "from_hugging_face", NEUTRAL)
+    def __init__(self, values):
+        family = values.get("model_type")
+        super().__init__(values, family, "from_hugging_face", NEUTRAL)
         self.read.add("model_type")
-        self.path = path
+        self.defaults = DEFAULTS.get(family, {})
+
+    def __getitem__(self, key):
+        if key not in self.values and key in self.defaults:
+            return self.get(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        """The entry; where config.json lacks it, the family's default (as
+        transformers fills it in), else `default`; `default` for a null."""
+        if key not in self.values and key in self.defaults:
+            self.read.add(key)
+            return self.defaults[key]
+        return super().get(key, default)
 
     def require(self, key, expected, why):
         """Refuse unless the entry is absent or `expected` (a value we compute)."""

@@ -38,10 +38,11 @@ def _llama_like(config, dtype, **features):
     """LLaMA, Mistral, Qwen2/3, Phi-3, SmolLM3: pre-norm RMS blocks with a
     gated feed-forward and rotary positions; `features` say what differs."""
     count, fused = config["num_hidden_layers"], features.get("fused", False)
-    types = _layer_types(config, count, features.get("windows", "layer_types"))
+    window = features.get("window", lambda c: c.get("sliding_window"))(config)
+    types = _layer_types(config, count, features["windows"], window)
     no_rope = _no_rope_layers(config, count) if features.get("no_rope") else ()
     blocks = tuple(
-        _llama_block(config, features, types[i], rope=i not in no_rope)
+        _llama_block(config, features, types[i] == SLIDING and window, i not in no_rope)
         for i in range(count)
     )
     spec = DecoderLMSpec(
@@ -56,7 +57,7 @@ def _llama_like(config, dtype, **features):
     return spec, _llama_links(spec, "model.", fused)
 
 
-def _llama_block(config, features, layer_type, rope):
+def _llama_block(config, features, window, rope):
     heads = config["num_attention_heads"]
     attention_bias = features.get("attention_bias")
     if attention_bias is None:  # families whose transformers model reads it
@@ -78,7 +79,7 @@ def _llama_block(config, features, layer_type, rope):
         use_bias=attention_bias,
         use_output_bias=features.get("output_bias", attention_bias),
         use_feedforward_bias=mlp_bias,
-        sliding_window=config["sliding_window"] if layer_type == SLIDING else None,
+        sliding_window=window or None,
     )
     if features.get("qk_norm"):
         block.update(normalize_qk=True, qk_norm_epsilon=float(config["rms_norm_eps"]))
@@ -161,14 +162,13 @@ def _feedforward_links(ours, theirs, block, fused):
     return links
 
 
-def _layer_types(config, count, windows):
+def _layer_types(config, count, windows, window):
     """Each layer's `"full_attention"` or `"sliding_attention"`, as the
-    family's transformers model reads it: `windows` is `"layer_types"` (the
-    config's list, or transformers' rule for configs written before it),
-    `"all"` (one window everywhere, Mistral/Phi-3), `"none"` (the family
-    reads no window, whatever the config lists), or a function of the layer
-    index for configs without the list."""
-    window = config.get("sliding_window")
+    family's transformers model reads it: `windows` is `"all"` (one window
+    everywhere, Mistral/Phi-3), `"none"` (the family reads no window,
+    whatever the config lists), or transformers' rule (a function of the
+    layer index) for configs written before `layer_types`, whose list wins
+    where there is one. `window`: the window the sliding layers get."""
     types = config.get("layer_types")
     if windows in ("all", "none"):
         return [SLIDING if window and windows == "all" else FULL] * count
@@ -181,11 +181,28 @@ def _layer_types(config, count, windows):
     return list(types)
 
 
+def _qwen_window(config):
+    """Qwen2/3's window: `sliding_window` with `use_sliding_window` alone
+    (transformers sets it to None otherwise)."""
+    config.get("max_window_layers")  # shaped `layer_types`; the list is read
+    window = config.get("sliding_window")
+    return window if config.get("use_sliding_window", False) else None
+
+
 def _qwen_windows(config, i):
     """Qwen2/3 before `layer_types`: windows from `max_window_layers` on."""
-    if config.get("use_sliding_window", False) and i >= config["max_window_layers"]:
+    if _qwen_window(config) and i >= config["max_window_layers"]:
         return SLIDING
     return FULL
+
+
+def _smollm3_windows(config, i):
+    """SmolLM3 before `layer_types`: windows on its layers without rotary
+    positions, with `use_sliding_window`."""
+    count = config["num_hidden_layers"]
+    without_rope = i in _no_rope_layers(config, count)
+    flag = config.get("use_sliding_window", False)
+    return SLIDING if flag and config.get("sliding_window") and without_rope else FULL
 
 
 def _no_rope_layers(config, count):
@@ -210,8 +227,12 @@ def _attention_dropout(config, residual_key=None):
     return rate
 
 
-def _activation(config, key):
+def _activation(config, key, legacy_gelu=False):
+    """The function `config[key]` names; Gemma 1's `legacy_gelu`: "gelu"
+    names the tanh approximation there (transformers replaces it)."""
     name = config.get(key)
+    if legacy_gelu and name == "gelu":
+        return gelu_approximate
     if name not in ACTIVATIONS:
         config.refuse(key, f"the activations loaded are {sorted(ACTIVATIONS)}.")
     return ACTIVATIONS[name]
@@ -221,47 +242,46 @@ def _llama(config, dtype):
     return _llama_like(config, dtype, tied=False, windows="none")
 
 
-FIXED_BIASES = dict(attention_bias=False, mlp_bias=False)
+def _fixed_biases(config, **biases):
+    """The biases of a family whose transformers model has them fixed: its
+    config's `attention_bias`/`mlp_bias`, if any, change nothing there."""
+    config.get("attention_bias")
+    config.get("mlp_bias")
+    return {"attention_bias": False, "mlp_bias": False, **biases}
 
 
 def _mistral(config, dtype):
-    return _llama_like(config, dtype, tied=False, windows="all", **FIXED_BIASES)
-
-
-def _qwen2(config, dtype):
-    _read_sliding_flags(config)
     return _llama_like(
-        config, dtype, tied=False, attention_bias=True, output_bias=False,
-        mlp_bias=False, windows=_qwen_windows,
-    )  # fmt: skip
-
-
-def _qwen3(config, dtype):
-    _read_sliding_flags(config)
-    return _llama_like(
-        config, dtype, tied=False, qk_norm=True, mlp_bias=False, windows=_qwen_windows
+        config, dtype, tied=False, windows="all", **_fixed_biases(config)
     )
 
 
-def _read_sliding_flags(config):
-    """`use_sliding_window` and `max_window_layers` shaped `layer_types`
-    when the config was written; the list is what the model reads."""
-    config.get("use_sliding_window")
-    config.get("max_window_layers")
+def _qwen2(config, dtype):
+    biases = _fixed_biases(config, attention_bias=True, output_bias=False)
+    return _llama_like(
+        config, dtype, tied=False, windows=_qwen_windows, window=_qwen_window, **biases
+    )
+
+
+def _qwen3(config, dtype):
+    return _llama_like(
+        config, dtype, tied=False, qk_norm=True, mlp_bias=False,
+        windows=_qwen_windows, window=_qwen_window,
+    )  # fmt: skip
 
 
 def _phi3(config, dtype):
     return _llama_like(
         config, dtype, tied=False, windows="all", fused=True,
-        residual_dropout="resid_pdrop", **FIXED_BIASES,
+        residual_dropout="resid_pdrop", **_fixed_biases(config),
     )  # fmt: skip
 
 
 def _smollm3(config, dtype):
-    # transformers' SmolLM3 applies the listed windows only with the flag.
-    use = config.get("use_sliding_window", False)
-    windows = (lambda c, i: FULL) if use else "none"
-    return _llama_like(config, dtype, tied=True, no_rope=True, windows=windows)
+    """SmolLM3: windows where `layer_types` says (transformers' masks follow
+    the list, with or without `use_sliding_window`), layers without rope."""
+    config.get("use_sliding_window")  # shaped `layer_types`; the list is read
+    return _llama_like(config, dtype, tied=True, no_rope=True, windows=_smollm3_windows)
 
 
 # --- Gemma ----------------------------------------------------------------------
@@ -280,8 +300,9 @@ def _gemma_like(config, dtype, version):
         2: lambda c, i: SLIDING if i % 2 == 0 else FULL,
         3: lambda c, i: SLIDING if (i + 1) % pattern else FULL,
     }[version]
-    types = _layer_types(config, count, rule)
-    blocks = tuple(_gemma_block(config, version, t) for t in types)
+    window = config.get("sliding_window") if version > 1 else None
+    types = _layer_types(config, count, rule, window)
+    blocks = tuple(_gemma_block(config, version, t, window) for t in types)
     spec = DecoderLMSpec(
         vocabulary_size=config["vocab_size"],
         hidden_dim=config["hidden_size"],
@@ -295,7 +316,7 @@ def _gemma_like(config, dtype, version):
     return spec, _gemma_links(spec, version)
 
 
-def _gemma_block(config, version, layer_type):
+def _gemma_block(config, version, layer_type, window):
     heads = config["num_attention_heads"]
     bias = bool(config.get("attention_bias", False))
     if config.get("use_bidirectional_attention"):
@@ -313,7 +334,7 @@ def _gemma_block(config, version, layer_type):
         gated_feedforward=True,
         use_bias=bias, use_output_bias=bias, use_feedforward_bias=False,
         normalize_sublayer_outputs=version > 1,
-        sliding_window=config["sliding_window"] if layer_type == SLIDING else None,
+        sliding_window=window if layer_type == SLIDING else None,
         **rope_options(config, layer_type if version == 3 else None),
     )  # fmt: skip
     if version > 1:
@@ -328,13 +349,14 @@ def _gemma_block(config, version, layer_type):
 
 def _gemma_activation(config, version):
     """transformers' Gemma reads `hidden_act` ("gelu" there meant the tanh
-    approximation), Gemma 2 and 3 `hidden_activation`."""
+    approximation), Gemma 2 and 3 `hidden_activation`; the other entry, if
+    a config has it too, must name the same function."""
     key, other = ("hidden_act", "hidden_activation")[:: 1 if version == 1 else -1]
-    if config.get(other) not in (None, config.get(key)):
-        config.refuse(other, f"the {config.family} model reads `{key}` alone.")
-    if version == 1 and config.get(key) == "gelu":
-        return gelu_approximate
-    return _activation(config, key)
+    activation = _activation(config, key, legacy_gelu=version == 1)
+    if config.get(other) is not None:
+        if _activation(config, other, legacy_gelu=version == 1) is not activation:
+            config.refuse(other, f"the {config.family} model reads `{key}` alone.")
+    return activation
 
 
 def _cap(config, key):

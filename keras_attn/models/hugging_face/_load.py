@@ -59,7 +59,7 @@ def from_hugging_face(path, dtype=None):
     (1, 3, 64)
     """
     checkpoint = open_checkpoint(path)
-    config = HFConfig(checkpoint.config, checkpoint.path)
+    config = HFConfig(checkpoint.config)
     if config.family not in FAMILIES:
         raise ValueError(
             f"`from_hugging_face` loads the model types {sorted(FAMILIES)}. "

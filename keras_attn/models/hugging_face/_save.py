@@ -137,7 +137,7 @@ def _describe(spec, model_type):
                 "model_type": family,
                 "architectures": [ARCHITECTURES[family]],
             }
-            reader = HFConfig(dict(config), "the config written")
+            reader = HFConfig(dict(config))
             read, links = read_family(reader, spec.dtype)
             reader.check_all_read()
         except (ValueError, KeyError) as error:
