@@ -86,9 +86,11 @@ def main():
     start = time.perf_counter()
     model = keras_attn.models.from_hugging_face(args.folder, dtype=args.dtype)
     tokenizer = keras_attn.models.load_tokenizer(args.folder)
+    # The layers' policy (a functional Model keeps Keras' global one).
+    policy = model.get_layer("token_embedding").dtype_policy
     print(
         f"loaded {args.folder}: {model.count_params():,} weights "
-        f"({model.dtype_policy.compute_dtype}) in {time.perf_counter() - start:.1f} s;"
+        f"({policy.compute_dtype}) in {time.perf_counter() - start:.1f} s;"
         f" {tokenizer}"
     )
 

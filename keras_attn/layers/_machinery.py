@@ -152,3 +152,13 @@ _KINDS = {
     "regularizer": keras.regularizers,
     "constraint": keras.constraints,
 }
+
+
+def all_layers(model):
+    """Every layer inside `model`, nested ones included, each once.
+
+    Keras has no public walk over nested layers (`model.layers` lists the
+    top level only); its private `_flatten_layers` is that walk, used here
+    and nowhere else (tests/layers/test_keras_internals.py fails if a Keras
+    release moves it)."""
+    return list(model._flatten_layers(include_self=False, recursive=True))

@@ -6,6 +6,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_attn.layers._machinery import all_layers
 from keras_attn.models._config_entries import ConfigEntries
 from keras_attn.models.activations import gelu_approximate
 from keras_attn.models.decoder_lm import DecoderLMSpec, decoder_lm
@@ -128,7 +129,7 @@ def _backbone(model):
         )
     quantized = [
         layer.name
-        for layer in backbone._flatten_layers()
+        for layer in all_layers(backbone)
         if getattr(layer, "quantization_mode", None)
     ]
     if quantized:

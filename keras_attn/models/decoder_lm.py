@@ -140,7 +140,7 @@ def spec_of(model):
         embedding_scale=_get(optional, "embedding_scale", "scale"),
         final_logit_soft_cap=embedding.logit_soft_cap,
         dropout=_get(optional, "embedding_dropout", "rate") or 0.0,
-        dtype=model.dtype_policy.name,
+        dtype=embedding.dtype_policy.name,  # the layers' (a Model keeps the global)
     )
 
 

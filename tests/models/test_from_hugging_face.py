@@ -190,18 +190,25 @@ def test_to_hugging_face_round_trips_through_transformers(family, folders, tmp_p
     layout is written as Mistral's (the same maths) unless asked for."""
     folder, reference = folders[family]
     model = from_hugging_face(folder)
-    written = keras_attn.models.to_hugging_face(model, tmp_path)
+    limit = None if family == "gpt2" else LLAMA_LIKE["max_position_embeddings"]
+    written = keras_attn.models.to_hugging_face(
+        model, tmp_path / "hf", max_position_embeddings=limit
+    )
     assert written == WRITTEN_AS[family]
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert_same_logits(
         transformers_logits(theirs, TOKENS), transformers_logits(reference, TOKENS)
     )
+    assert theirs.config.max_position_embeddings == (limit or 48)
 
 
 def test_phi3_written_fused_when_asked(folders, tmp_path):
     folder, reference = folders["phi3"]
     model = from_hugging_face(folder)
-    assert keras_attn.models.to_hugging_face(model, tmp_path, "phi3") == "phi3"
+    written = keras_attn.models.to_hugging_face(
+        model, tmp_path, "phi3", max_position_embeddings=64
+    )
+    assert written == "phi3"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert_same_logits(
         transformers_logits(theirs, TOKENS), transformers_logits(reference, TOKENS)
@@ -217,7 +224,9 @@ def test_a_fine_tuned_model_goes_back_with_lora_merged(folders, tmp_path):
         if "lora_kernel_b" in weight.path:  # Keras starts B at zero
             weight.assign(np.full(weight.shape, 0.05, weight.dtype))
     ours = to_numpy(model(TOKENS))
-    keras_attn.models.to_hugging_face(model, tmp_path / "hf", dtype="float32")
+    keras_attn.models.to_hugging_face(
+        model, tmp_path / "hf", dtype="float32", max_position_embeddings=64
+    )
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert_same_logits(transformers_logits(theirs, TOKENS), ours)
     model.save(tmp_path / "model.keras")

@@ -26,6 +26,16 @@ ACTIVATIONS = {
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
+def activation_name(activation, tanh_gelu="gelu_pytorch_tanh"):
+    """transformers' name of our activation (its function's name, as
+    `TransformerDecoder` keeps it); `tanh_gelu`: the family's spelling of
+    the tanh approximation (GPT-2: "gelu_new")."""
+    if activation == "gelu_approximate":
+        return tanh_gelu
+    names = [n for n, ours in ACTIVATIONS.items() if ours == activation]
+    return names[0] if names else activation
+
+
 def read_family(config, dtype):
     """`(spec, links)` of the config's family."""
     return FAMILIES[config.family](config, dtype)

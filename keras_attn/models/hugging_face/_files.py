@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 
+import keras
 import numpy as np
 
 CONFIG = "config.json"
@@ -38,13 +39,16 @@ class Checkpoint:
     dtypes: dict  # name: safetensors dtype name ("BF16", ...)
     files: dict  # name: file path
 
-    def read(self, name):
-        """One tensor as a numpy array (bfloat16 as ml-dtypes'). The file is
-        opened for this tensor alone, so its mapped pages are let go at once:
-        loading holds one tensor beside the model, never the checkpoint."""
+    def read(self, name, start=None, stop=None):
+        """One tensor as a numpy array (bfloat16 as ml-dtypes'), or its rows
+        `start:stop`. The file is opened for this read alone, so its mapped
+        pages are let go at once: loading holds one tensor beside the model,
+        never the checkpoint."""
         _, safe_open = safetensors_numpy()
         with safe_open(self.files[name], framework="numpy") as file:
-            return file.get_tensor(name)
+            if start is None:
+                return file.get_tensor(name)
+            return file.get_slice(name)[start:stop]
 
 
 def open_checkpoint(path):
@@ -107,10 +111,10 @@ def read_json(folder, name, optional=False):
 
 
 def _weight_files(path):
-    """The safetensors files of the folder: those its index names, else
-    `model.safetensors`."""
+    """The safetensors files of the folder: `model.safetensors`, else those
+    its index names (transformers' order, where a folder has both)."""
     index = os.path.join(path, INDEX)
-    if os.path.isfile(index):
+    if not os.path.isfile(os.path.join(path, SINGLE)) and os.path.isfile(index):
         weight_map = read_json(path, INDEX).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no `weight_map` of tensor names to files.")
@@ -143,6 +147,29 @@ def _header(file):
         raise ValueError(f"Cannot read {file} as safetensors: {error}") from error
 
 
+def checked_new_folder(path):
+    """`path` as a str, once it names a folder to write a checkpoint into:
+    new, or without a config or weights (which a write would leave stale)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"`path` must be a folder (a str or os.PathLike). Received: "
+            f"{type(path).__name__}."
+        )
+    folder = os.fspath(path)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"`path` must be a folder; {folder!r} is a file.")
+    taken = [
+        f for f in (CONFIG, SINGLE, INDEX) if os.path.exists(os.path.join(folder, f))
+    ]
+    if taken:
+        raise ValueError(
+            f"`path` {folder!r} already holds a checkpoint ({taken}): a new "
+            "model.safetensors beside old shards would be read as either. "
+            "Write into a new or empty folder."
+        )
+    return folder
+
+
 def write_checkpoint(path, config, tensors):
     """Write `config` as config.json and `tensors` (`{name: array}`) as
     model.safetensors in the folder `path` (created if needed)."""
@@ -152,3 +179,13 @@ def write_checkpoint(path, config, tensors):
         json.dump(config, handle, indent=2, sort_keys=True)
     tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
     numpy_io.save_file(tensors, os.path.join(path, SINGLE), metadata={"format": "pt"})
+
+
+def as_dtype(value, dtype):
+    """`value` as a numpy array of the variable's dtype (bfloat16 through
+    ml-dtypes): every backend converts that without a guess."""
+    if keras.backend.standardize_dtype(dtype) == "bfloat16":
+        import ml_dtypes  # with safetensors: the huggingface extra
+
+        return np.asarray(value).astype(ml_dtypes.bfloat16, copy=False)
+    return np.asarray(value).astype(keras.backend.standardize_dtype(dtype), copy=False)

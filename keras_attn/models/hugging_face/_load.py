@@ -6,7 +6,11 @@ import numpy as np
 from keras_attn.models.decoder_lm import decoder_lm
 from keras_attn.models.hugging_face._config import HFConfig
 from keras_attn.models.hugging_face._families import FAMILIES, read_family
-from keras_attn.models.hugging_face._files import FLOAT_DTYPES, open_checkpoint
+from keras_attn.models.hugging_face._files import (
+    FLOAT_DTYPES,
+    as_dtype,
+    open_checkpoint,
+)
 
 
 def from_hugging_face(path, dtype=None):
@@ -65,7 +69,7 @@ def from_hugging_face(path, dtype=None):
             f"`from_hugging_face` loads the model types {sorted(FAMILIES)}. "
             f"Received: model_type={config.family!r} in {checkpoint.path}."
         )
-    policy = keras.dtype_policies.get(dtype or keras.config.dtype_policy())
+    policy = _float_policy(dtype)
     spec, links = read_family(config, policy.name)
     config.check_all_read()
     if config.family.startswith("gemma") and policy.variable_dtype != "float32":
@@ -82,8 +86,31 @@ def from_hugging_face(path, dtype=None):
     for item, name in zip(links, names, strict=True):
         shapes = {path: tuple(variables[path].shape) for path in item.ours}
         for path, value in item.load(checkpoint.read(name), shapes).items():
-            variables[path].assign(cast(value, variables[path].dtype))
+            variables[path].assign(as_dtype(value, variables[path].dtype))
     return model
+
+
+def _float_policy(dtype):
+    """`dtype`'s Keras dtype policy, once it is a float one (the global
+    policy for `None`); a ValueError naming `dtype` otherwise."""
+    floats = ("float16", "bfloat16", "float32", "float64")
+    try:
+        policy = keras.dtype_policies.get(dtype or keras.config.dtype_policy())
+    except (TypeError, ValueError):
+        policy = None
+    if (
+        policy is None
+        or getattr(policy, "quantization_mode", None)
+        or policy.variable_dtype not in floats
+        or policy.compute_dtype not in floats
+    ):
+        raise ValueError(
+            "`dtype` must be None (Keras' global policy) or a float dtype "
+            "policy: 'float32', 'bfloat16', 'float16', 'mixed_bfloat16', .... "
+            f"Received: dtype={dtype!r}. To quantize, load in float, then call "
+            "`model.quantize(...)`."
+        )
+    return policy
 
 
 def _resolve(links, shapes, checkpoint):
@@ -121,7 +148,8 @@ def _resolve(links, shapes, checkpoint):
 def _check_tied_copy(links, names, checkpoint):
     """A tied head's stored `lm_head.weight` must equal the token table:
     transformers ties them only then, and else keeps both (with a warning),
-    which `tie_word_embeddings` misdescribes. Reads these two tensors alone."""
+    which `tie_word_embeddings` misdescribes. Compared a block of rows at a
+    time, so the check holds no whole tensor."""
     if "lm_head.weight" in names or "lm_head.weight" not in checkpoint.shapes:
         return
     table = next(
@@ -129,7 +157,14 @@ def _check_tied_copy(links, names, checkpoint):
         for item, name in zip(links, names, strict=True)
         if item.ours == ("token_embedding/embeddings",)
     )
-    if not np.array_equal(checkpoint.read(table), checkpoint.read("lm_head.weight")):
+    rows, step = checkpoint.shapes[table][0], 4096
+    if not all(
+        np.array_equal(
+            checkpoint.read(table, start, min(start + step, rows)),
+            checkpoint.read("lm_head.weight", start, min(start + step, rows)),
+        )
+        for start in range(0, rows, step)
+    ):
         raise ValueError(
             f"The config at {checkpoint.path} has tie_word_embeddings=True, but "
             f"its lm_head.weight differs from {table}: transformers then keeps "
@@ -150,21 +185,9 @@ def _name(theirs, checkpoint):
 def _ignored(checkpoint, names):
     """Tensors transformers' model does not read: a tied head's copy of the
     token table, GPT-2's causal-mask buffers, rotary frequency buffers."""
+    buffers = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
     return {
         name
-        for name in checkpoint.shapes
-        if name == "lm_head.weight"
-        and "lm_head.weight" not in names
-        or name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
-        and name not in names
+        for name in set(checkpoint.shapes) - set(names)
+        if name == "lm_head.weight" or name.endswith(buffers)
     }
-
-
-def cast(value, dtype):
-    """`value` as a numpy array of the variable's dtype (bfloat16 through
-    ml-dtypes): every backend converts that without a guess."""
-    if keras.backend.standardize_dtype(dtype) == "bfloat16":
-        import ml_dtypes
-
-        return np.asarray(value).astype(ml_dtypes.bfloat16)
-    return np.asarray(value).astype(keras.backend.standardize_dtype(dtype))

@@ -4,20 +4,10 @@
 import math
 
 from keras_attn.layers import TransformerDecoder
-from keras_attn.models.hugging_face._families import FULL, SLIDING
+from keras_attn.models.hugging_face._families import FULL, SLIDING, activation_name
 
 # Block entries that change no number of a forward pass.
 NOT_MATHS = ("name", "trainable", "dtype", "kernel_initializer", "bias_initializer")
-# transformers' names of our activations (`ACT2FN`).
-ACTIVATION_NAMES = {
-    "silu": "silu",
-    "relu": "relu",
-    "gelu": "gelu",
-    "gelu_approximate": "gelu_pytorch_tanh",
-}
-# A length limit transformers keeps in every config; no number the model
-# computes depends on it (the rotary types we write carry their own).
-MAX_POSITIONS = 8192
 # The tokenizer's ids are not the model's to know: written as none (else
 # transformers fills in its family defaults, which may lie outside a small
 # vocabulary); `generation_config.json` and the tokenizer files carry them.
@@ -73,9 +63,8 @@ def _common(spec, blocks, activation_key="hidden_act"):
         "rms_norm_eps": spec.layer_norm_epsilon,
         "tie_word_embeddings": spec.tie_weights,
         "attention_dropout": first["dropout"],
-        "max_position_embeddings": MAX_POSITIONS,
         **SPECIAL_IDS,
-        activation_key: ACTIVATION_NAMES.get(first["activation"], first["activation"]),
+        activation_key: activation_name(first["activation"]),
         "rope_parameters": _rope(with_rope) if with_rope["rope_max_wavelength"] else {},
     }
 
@@ -92,11 +81,6 @@ def _windows(blocks, flag=None):
     return entries
 
 
-def _uniform_window(blocks):
-    windows = {b["sliding_window"] for b in blocks}
-    return {"sliding_window": windows.pop() if len(windows) == 1 else None}
-
-
 def llama(spec, blocks):
     first = blocks[0]
     return _common(spec, blocks) | {
@@ -106,7 +90,9 @@ def llama(spec, blocks):
 
 
 def mistral(spec, blocks):
-    return _common(spec, blocks) | _uniform_window(blocks)
+    return _common(spec, blocks) | {
+        "sliding_window": _windows(blocks)["sliding_window"]
+    }
 
 
 def qwen2(spec, blocks):
@@ -129,7 +115,7 @@ def smollm3(spec, blocks):
 def phi3(spec, blocks):
     return (
         _common(spec, blocks)
-        | _uniform_window(blocks)
+        | {"sliding_window": _windows(blocks)["sliding_window"]}
         | {
             "resid_pdrop": blocks[0]["dropout"],
             "embd_pdrop": spec.dropout,
@@ -173,9 +159,7 @@ def gpt2(spec, blocks):
         "n_inner": first["intermediate_dim"],
         "n_positions": spec.positions,
         "layer_norm_epsilon": first["layer_norm_epsilon"],
-        "activation_function": "gelu_new"
-        if first["activation"] == "gelu_approximate"
-        else ACTIVATION_NAMES.get(first["activation"], first["activation"]),
+        "activation_function": activation_name(first["activation"], "gelu_new"),
         "attn_pdrop": first["dropout"],
         "resid_pdrop": first["dropout"],
         "embd_pdrop": spec.dropout,
@@ -184,15 +168,16 @@ def gpt2(spec, blocks):
     }
 
 
+# Each family's transformers class and config writer.
 WRITERS = {
-    "gpt2": gpt2,
-    "llama": llama,
-    "mistral": mistral,
-    "qwen2": qwen2,
-    "qwen3": qwen3,
-    "phi3": phi3,
-    "smollm3": smollm3,
-    "gemma": gemma,
-    "gemma2": gemma2,
-    "gemma3_text": gemma3_text,
+    "gpt2": ("GPT2LMHeadModel", gpt2),
+    "llama": ("LlamaForCausalLM", llama),
+    "mistral": ("MistralForCausalLM", mistral),
+    "qwen2": ("Qwen2ForCausalLM", qwen2),
+    "qwen3": ("Qwen3ForCausalLM", qwen3),
+    "phi3": ("Phi3ForCausalLM", phi3),
+    "smollm3": ("SmolLM3ForCausalLM", smollm3),
+    "gemma": ("GemmaForCausalLM", gemma),
+    "gemma2": ("Gemma2ForCausalLM", gemma2),
+    "gemma3_text": ("Gemma3ForCausalLM", gemma3_text),
 }
