@@ -153,6 +153,11 @@ def test_logits_and_greedy_tokens_equal_transformers(family, folders):
     folder, reference = folders[family]
     model = from_hugging_face(folder)
     assert_same_logits(to_numpy(model(TOKENS)), transformers_logits(reference, TOKENS))
+    assert_same_greedy(model, reference)
+
+
+def assert_same_greedy(model, reference):
+    """Our greedy tokens for a left-padded batch are transformers'."""
     tokens = keras_attn.generation.generate(
         model, LEFT_PADDED, max_new_tokens=NEW_TOKENS, jit_compile=JIT
     )
@@ -163,7 +168,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family, folders):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bfloat16_checkpoints_load_to_the_same_logits(family, tmp_path):
+def test_bfloat16_checkpoints_give_the_same_logits_and_tokens(family, tmp_path):
     """bfloat16 files (ml-dtypes' arrays), computed in float32 on both sides."""
     transformers_model(family, "bfloat16").save_pretrained(tmp_path)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
@@ -172,6 +177,7 @@ def test_bfloat16_checkpoints_load_to_the_same_logits(family, tmp_path):
     model = from_hugging_face(tmp_path, dtype="float32")
     expected = transformers_logits(reference, TOKENS)
     assert_same_logits(to_numpy(model(TOKENS)), expected)
+    assert_same_greedy(model, reference)
 
 
 # The family `to_hugging_face` writes for each folder loaded: its own, but
