@@ -1,7 +1,58 @@
 """Tiny seeded transformers models, the reference for checkpoint folders,
-and the one closeness rule their logits are held to."""
+and the one closeness rule their logits are held to; the tiny folders the
+error modules (`test_hugging_face_files`, `test_hugging_face_configs`) alter,
+with their editors and a guard against reading weights."""
+
+import json
+import os
 
 import numpy as np
+import pytest
+
+from keras_attn.models import from_hugging_face
+from keras_attn.models.hugging_face import _files
+from tests.helpers.backend import BACKEND, to_numpy
+
+VOCABULARY = 61
+# name: (transformers config class, its arguments), the tiny folders altered.
+TINY = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            vocab_size=VOCABULARY,
+            hidden_size=24,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(vocab_size=VOCABULARY, n_embd=16, n_layer=2, n_head=2, n_positions=48),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            vocab_size=VOCABULARY,
+            hidden_size=16,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            head_dim=8,
+            sliding_window=4,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            query_pre_attn_scalar=12,
+        ),
+    ),
+}
+# Longer than every tiny window, so a window changes the logits.
+TOKENS = np.random.default_rng(2).integers(1, VOCABULARY, (2, 11)).astype("int32")
+DELETE = object()
 
 
 def tiny_causal_lm(config_class, dtype="float32", **kwargs):
@@ -34,3 +85,65 @@ def assert_same_logits(actual, expected):
     """Within 1e-4 of the reference's largest |logit| (float32)."""
     scale = np.abs(expected).max()
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4 * scale)
+
+
+def write_tiny(tmp_path_factory, name, **changes):
+    """`(folder, model)`: the tiny transformers model `TINY[name]` (its
+    arguments updated with `changes`) written by `save_pretrained`."""
+    config_class, kwargs = TINY[name]
+    model = tiny_causal_lm(config_class, **{**kwargs, **changes})
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def forbid_weight_reads(monkeypatch):
+    """Fail the test if any tensor's data is read: errors come first."""
+
+    def read(self, name, start=None, stop=None):
+        pytest.fail(f"read the weight {name} before the error")
+
+    monkeypatch.setattr(_files.Checkpoint, "read", read)
+
+
+def edit_config(folder, **changes):
+    """Set config.json's entries; a value of `DELETE` deletes the entry
+    (`None` writes null: transformers reads the two differently)."""
+    file = os.path.join(folder, "config.json")
+    with open(file) as handle:
+        config = json.load(handle)
+    for key, value in changes.items():
+        if value is DELETE:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    with open(file, "w") as handle:
+        json.dump(config, handle)
+    return folder
+
+
+def edit_tensors(folder, edit):
+    """Rewrite model.safetensors with `edit(tensors)` (a dict, in place)."""
+    from safetensors import numpy as safetensors_numpy
+
+    file = os.path.join(folder, "model.safetensors")
+    tensors = safetensors_numpy.load_file(file)
+    edit(tensors)
+    safetensors_numpy.save_file(tensors, file, metadata={"format": "pt"})
+    return folder
+
+
+def their_logits(folder, token_ids=TOKENS):
+    """The logits of transformers' model of `folder`."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    return transformers_logits(model, token_ids)
+
+
+def our_logits(folder, token_ids=TOKENS):
+    """The logits of `from_hugging_face(folder)` in float32."""
+    model = from_hugging_face(folder, dtype="float32")
+    if BACKEND == "jax":  # one compiled call beats compiling each op (2.5x)
+        return model.predict(token_ids, verbose=0)
+    return to_numpy(model(token_ids))

@@ -1,0 +1,280 @@
+"""`from_hugging_face` on unusual config.json entries: an unknown family, an
+entry nobody computes, each maths option we cannot compute raise a clear
+error, by name, before any weight is read; the layouts transformers also
+reads (transformers 4's `rope_scaling`, scaled rotary positions) load to
+transformers' logits.
+
+Each tiny folder is written once per module and copied per test."""
+
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+
+from keras_attn.models import from_hugging_face
+from tests.helpers.backend import to_numpy
+from tests.helpers.hugging_face import (
+    DELETE,
+    assert_same_logits,
+    edit_config,
+    forbid_weight_reads,
+    our_logits,
+    their_logits,
+    write_tiny,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+FAMILIES_WE_LOAD = (
+    "gemma", "gemma2", "gemma3_text", "gpt2", "llama",
+    "mistral", "phi3", "qwen2", "qwen3", "smollm3",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name: (folder, transformers model), each written once."""
+    names = ("llama", "gpt2", "gemma2")
+    return {name: write_tiny(tmp_path_factory, name) for name in names}
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    """`copy(name)`: a fresh copy of the saved folder `name` to alter."""
+
+    def make(name, to="copy"):
+        return shutil.copytree(saved[name][0], tmp_path / to)
+
+    return make
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    forbid_weight_reads(monkeypatch)
+
+
+# --- Families and entries refused -----------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["bert", None])
+def test_an_unknown_model_type_lists_ours(model_type, copy, no_weight_reads):
+    folder = edit_config(copy("llama"), model_type=model_type)
+    with pytest.raises(ValueError, match=f"Received: model_type={model_type!r}") as e:
+        from_hugging_face(folder)
+    for family in FAMILIES_WE_LOAD:
+        assert repr(family) in str(e.value)
+
+
+def test_a_config_entry_nobody_reads(copy, no_weight_reads):
+    folder = edit_config(copy("llama"), new_option=3)
+    with pytest.raises(ValueError, match=r"entries \['new_option'\] \(values \[3\]"):
+        from_hugging_face(folder)
+
+
+# (folder, config changes, the error's words)
+REFUSED = {
+    "dynamic rope": (
+        "llama",
+        dict(rope_parameters={**LINEAR_ROPE, "rope_type": "dynamic"}),
+        r"rope_parameters=\{'rope_type': 'dynamic'.*dynamic NTK",
+    ),
+    "longrope": (
+        "llama",
+        dict(
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=1e4,
+                short_factor=[1.0] * 3,
+                long_factor=[2.0] * 3,
+                original_max_position_embeddings=16,
+            )
+        ),
+        r"rope_type': 'longrope'.*no per-channel factors",
+    ),
+    "an unknown rope type": (
+        "llama",
+        dict(rope_parameters={**LINEAR_ROPE, "rope_type": "su"}),
+        "rope_type 'su' is not one of",
+    ),
+    "partial rotary factor in rope_parameters": (
+        "llama",
+        dict(rope_parameters={**LINEAR_ROPE, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor=0.5: keras_attn rotates every channel",
+    ),
+    "partial rotary factor at the top": (
+        "llama",
+        dict(partial_rotary_factor=0.5),
+        "partial_rotary_factor=0.5: keras_attn rotates every channel",
+    ),
+    "DeepSeek's yarn mscale ratio": (
+        "llama",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=1e4,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            )
+        ),
+        r"YaRN scales cos and sin by 0.1 ln\(factor\) \+ 1 .* asks for 1.0 with",
+    ),
+    "a yarn attention factor of its own": (
+        "llama",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=1e4, factor=4.0, attention_factor=1.5
+            )
+        ),
+        "asks for 1.5 with factor 4.0",
+    ),
+    "an unknown rope key": (
+        "llama",
+        dict(rope_parameters={**LINEAR_ROPE, "low_freq_factor": 1.0}),
+        r"its entries \['low_freq_factor'\] are not computed here",
+    ),
+    "rope_parameters and rope_scaling": (
+        "llama",
+        dict(rope_scaling={"type": "linear", "factor": 2.0}),
+        "rope_scaling=.*the config also has `rope_parameters`",
+    ),
+    "an unknown hidden_act": (
+        "llama",
+        dict(hidden_act="mish"),
+        r"hidden_act='mish': the activations loaded are \[",
+    ),
+    "an unknown GPT-2 activation": (
+        "gpt2",
+        dict(activation_function="quick_gelu"),
+        "activation_function='quick_gelu'",
+    ),
+    "GPT-2 scaled by the inverse layer index": (
+        "gpt2",
+        dict(scale_attn_by_inverse_layer_idx=True),
+        "scale_attn_by_inverse_layer_idx=True: keras_attn's GPT-2 has "
+        "scale_attn_by_inverse_layer_idx=False",
+    ),
+    "GPT-2 unscaled attention": (
+        "gpt2",
+        dict(scale_attn_weights=False),
+        "scale_attn_weights=False",
+    ),
+    "GPT-2 with cross-attention": (
+        "gpt2",
+        dict(add_cross_attention=True),
+        "add_cross_attention=True",
+    ),
+    "GPT-2 with its own head": (
+        "gpt2",
+        dict(tie_word_embeddings=False),
+        "tie_word_embeddings=False: GPT-2's head is its token table",
+    ),
+    "GPT-2 dropping residuals at another rate": (
+        "gpt2",
+        dict(resid_pdrop=0.3),
+        r"resid_pdrop=0.3: our blocks drop at one rate \(0.1\)",
+    ),
+    "Gemma attending both ways": (
+        "gemma2",
+        dict(use_bidirectional_attention=True),
+        "use_bidirectional_attention=True: a causal LM attends causally",
+    ),
+    "Gemma 2 with a hidden_act it does not read": (
+        "gemma2",
+        dict(hidden_act="silu"),
+        "hidden_act='silu': the gemma2 model reads `hidden_activation` alone",
+    ),
+    "layer types of the wrong count": (
+        "gemma2",
+        dict(layer_types=["full_attention"]),
+        "layer_types=.*expected 2 of 'full_attention'/'sliding_attention'",
+    ),
+    "sliding layers without a window": (
+        "gemma2",
+        dict(sliding_window=None, layer_types=["sliding_attention"] * 2),
+        "sliding layers need a `sliding_window`",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_config_entry_we_cannot_compute_is_refused(case, copy, no_weight_reads):
+    name, changes, match = REFUSED[case]
+    folder = edit_config(copy(name), **changes)
+    with pytest.raises(ValueError, match=f"cannot load .*{match}"):
+        from_hugging_face(folder)
+
+
+# --- Layouts honoured ----------------------------------------------------------
+
+
+def test_transformers_4_rope_scaling_is_honoured(copy, saved):
+    """`rope_theta` + `rope_scaling={"type": ...}` computes what transformers
+    5's `rope_parameters` computes, and the scaling does change the logits."""
+    old = edit_config(
+        copy("llama", "old"),
+        rope_parameters=DELETE,
+        rope_theta=10000.0,
+        rope_scaling={"type": "linear", "factor": 2.0},
+    )
+    new = edit_config(copy("llama", "new"), rope_parameters=LINEAR_ROPE)
+    logits = our_logits(old)
+    np.testing.assert_array_equal(logits, our_logits(new))
+    assert_same_logits(logits, their_logits(old))
+    unscaled = our_logits(saved["llama"][0])
+    assert np.abs(logits - unscaled).max() > 1e-2 * np.abs(unscaled).max()
+
+
+SCALED_ROPE = {
+    "yarn": dict(
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=1e4, factor=4.0,
+            original_max_position_embeddings=8, beta_fast=8.0, beta_slow=1.0,
+        ),
+    ),
+    # Phi-3's layout: transformers prefers the length beside the dict.
+    "llama3 with the pretraining length at the top": dict(
+        original_max_position_embeddings=16,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=1e4, factor=4.0,
+            original_max_position_embeddings=8,
+            low_freq_factor=1.0, high_freq_factor=4.0,
+        ),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SCALED_ROPE)
+def test_scaled_rope_is_honoured(case, copy):
+    folder = edit_config(copy("llama"), **SCALED_ROPE[case])
+    assert_same_logits(our_logits(folder), their_logits(folder))
+
+
+# --- dtype ---------------------------------------------------------------------
+
+
+def test_gemma_in_bfloat16_variables_is_refused(saved, no_weight_reads):
+    with pytest.raises(ValueError, match="Received: dtype='bfloat16'. Pass dtype="):
+        from_hugging_face(saved["gemma2"][0], dtype="bfloat16")
+
+
+def test_gemma_in_mixed_bfloat16_loads(saved):
+    """float32 variables keep `1 + w` whole; the arithmetic is bfloat16."""
+    folder = saved["gemma2"][0]
+    model = from_hugging_face(folder, dtype="mixed_bfloat16")
+    layers = [layer for layer in model.layers if layer.weights]
+    assert {layer.dtype_policy.name for layer in layers} == {"mixed_bfloat16"}
+    assert {keras.backend.standardize_dtype(v.dtype) for v in model.weights} == {
+        "float32"
+    }
+    w = safetensors_numpy.load_file(os.path.join(folder, "model.safetensors"))
+    w = w["model.layers.1.post_feedforward_layernorm.weight"]
+    variables = {v.path: v for v in model.weights}
+    scale = variables["transformer_layer_1/feedforward_output_norm/scale"]
+    np.testing.assert_array_equal(to_numpy(scale), w + np.float32(1.0))

@@ -1,0 +1,267 @@
+"""`from_hugging_face` on bad or unusual folders and files: a missing or
+unreadable file, an unreadable index or a missing shard, a tensor that does
+not match the config each raise a clear error before any weight is read; the
+layouts transformers also reads (sharded files, a tied head's stored copy,
+GPT-2's original hub names) load to transformers' logits.
+
+Each tiny folder is written once per module and copied per test."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from keras_attn.models import from_hugging_face
+from tests.helpers.hugging_face import (
+    TINY,
+    VOCABULARY,
+    assert_same_logits,
+    edit_config,
+    edit_tensors,
+    forbid_weight_reads,
+    our_logits,
+    their_logits,
+    write_tiny,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name: (folder, transformers model), each written once."""
+    return {name: write_tiny(tmp_path_factory, name) for name in ("llama", "gpt2")}
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    """`copy(name)`: a fresh copy of the saved folder `name` to alter."""
+
+    def make(name, to="copy"):
+        return shutil.copytree(saved[name][0], tmp_path / to)
+
+    return make
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    forbid_weight_reads(monkeypatch)
+
+
+def test_the_no_read_guard_catches_a_load(saved, no_weight_reads):
+    """The guard the error tests use does see a load's reads."""
+    with pytest.raises(pytest.fail.Exception, match="read the weight"):
+        from_hugging_face(saved["llama"][0])
+
+
+# --- Folders and files ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "where, error, message",
+    [
+        ("nowhere", FileNotFoundError, "does not exist. Nothing is download"),
+        ("hub/name", FileNotFoundError, "does not exist. Nothing is download"),
+        ("a_file", ValueError, "the checkpoint folder, not a file"),
+    ],
+)
+def test_a_path_that_is_not_a_folder(where, error, message, tmp_path, no_weight_reads):
+    (tmp_path / "a_file").write_text("{}")
+    path = str(tmp_path / where) if where != "hub/name" else "meta-llama/Llama-2-7b"
+    with pytest.raises(error, match=message):
+        from_hugging_face(path)
+
+
+@pytest.mark.parametrize("path", [3, None, b"/tmp", ["folder"]])
+def test_a_path_of_another_type(path):
+    with pytest.raises(TypeError, match=r"`path` must be a local folder .* of type"):
+        from_hugging_face(path)
+
+
+def test_a_folder_without_config(copy, no_weight_reads):
+    folder = copy("llama")
+    os.remove(folder / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"has no config.json.*model.safet"):
+        from_hugging_face(folder)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", "Cannot read .*config.json as JSON"),
+        ("[1, 2]", "config.json must hold a JSON object"),
+    ],
+)
+def test_a_config_that_is_not_a_json_object(text, match, copy, no_weight_reads):
+    folder = copy("llama")
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        from_hugging_face(folder)
+
+
+def test_a_folder_without_weights(copy, no_weight_reads):
+    folder = copy("llama")
+    os.rename(folder / "model.safetensors", folder / "pytorch_model.bin")
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"lacks the weights file\(s\) \['model.safetensors'\].*pytorch_model",
+    ):
+        from_hugging_face(folder)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_a_corrupt_safetensors_file(damage, copy, no_weight_reads):
+    folder = copy("llama")
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    damaged = {
+        "garbage": b"\x07not a safetensors file" * 8,
+        "truncated": data[: len(data) // 2],
+        "empty": b"",
+    }[damage]
+    file.write_bytes(damaged)
+    with pytest.raises(ValueError, match="Cannot read .*model.safetensors as safet"):
+        from_hugging_face(folder)
+
+
+# --- Shards ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded(saved, tmp_path_factory):
+    """The tiny Llama written in shards of at most 20 KB."""
+    folder = tmp_path_factory.mktemp("sharded")
+    saved["llama"][1].save_pretrained(folder, max_shard_size="20KB")
+    shards = sorted(f for f in os.listdir(folder) if f.startswith("model-"))
+    assert len(shards) > 2 and not os.path.exists(folder / "model.safetensors")
+    return folder, shards
+
+
+def test_a_sharded_checkpoint_loads_as_the_single_file(saved, sharded):
+    folder, _ = sharded
+    single = our_logits(saved["llama"][0])
+    np.testing.assert_array_equal(our_logits(folder), single)
+    assert_same_logits(single, their_logits(saved["llama"][0]))
+
+
+def test_an_index_naming_a_missing_shard(sharded, tmp_path, no_weight_reads):
+    folder, shards = sharded
+    folder = shutil.copytree(folder, tmp_path / "copy")
+    os.remove(folder / shards[1])
+    with pytest.raises(FileNotFoundError, match=rf"lacks .*\['{shards[1]}'\]"):
+        from_hugging_face(folder)
+
+
+@pytest.mark.parametrize(
+    "index, match",
+    [
+        ("{oops", "Cannot read .*index.json as JSON"),
+        ('{"metadata": {}}', "index.json has no `weight_map`"),
+    ],
+)
+def test_an_unreadable_index(index, match, sharded, tmp_path, no_weight_reads):
+    folder = shutil.copytree(sharded[0], tmp_path / "copy")
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=match):
+        from_hugging_face(folder)
+
+
+# --- Tensors against the config -------------------------------------------------
+
+
+def _drop(name):
+    return lambda tensors: tensors.pop(name)
+
+
+def _put(name, value):
+    return lambda tensors: tensors.__setitem__(name, value)
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+BAD_TENSORS = {
+    "missing": (_drop(Q), rf"missing {Q} of shape \(24, 24\)"),
+    "extra": (
+        _put("model.layers.0.self_attn.rotary.weight", np.ones(3, "float32")),
+        r"tensors the config does not use: \['model.layers.0.self_attn.rotary",
+    ),
+    "wrong shape": (
+        _put(Q, np.ones((24, 23), "float32")),
+        rf"{Q} has shape \(24, 23\), the config implies \(24, 24\)",
+    ),
+    "int": (_put(Q, np.ones((24, 24), "int32")), f"{Q} is I32, not a float tensor"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TENSORS)
+def test_a_tensor_that_does_not_match_the_config(case, copy, no_weight_reads):
+    edit, match = BAD_TENSORS[case]
+    folder = edit_tensors(copy("llama"), edit)
+    with pytest.raises(ValueError, match=f"do not match its config.json: .*{match}"):
+        from_hugging_face(folder)
+
+
+def test_a_config_that_does_not_match_the_tensors(copy, no_weight_reads):
+    """Every tensor the config resizes is named."""
+    folder = edit_config(copy("llama"), intermediate_size=48)
+    with pytest.raises(ValueError, match=r"config implies \(48, 24\)") as error:
+        from_hugging_face(folder)
+    for layer in range(2):
+        for part in ("gate", "up", "down"):
+            assert f"model.layers.{layer}.mlp.{part}_proj.weight" in str(error.value)
+
+
+def test_a_tied_head_with_its_copy_stored(copy):
+    """transformers ties the head to the token table when a stored
+    `lm_head.weight` equals it (`.bin` conversions keep both)."""
+    folder = edit_config(copy("llama"), tie_word_embeddings=True)
+
+    def copy_the_table(tensors):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+
+    edit_tensors(folder, copy_the_table)
+    tied = our_logits(folder)
+    assert_same_logits(tied, their_logits(folder))
+    edit_tensors(folder, _drop("lm_head.weight"))
+    np.testing.assert_array_equal(our_logits(folder), tied)
+
+
+def test_a_tied_head_with_another_head_stored(copy):
+    """transformers keeps a stored head that differs from the table (it
+    warns that the config is wrong): refused, with the fix."""
+    folder = edit_config(copy("llama"), tie_word_embeddings=True)
+    head = np.random.default_rng(3).standard_normal((VOCABULARY, 24))
+    edit_tensors(folder, _put("lm_head.weight", head.astype("float32")))
+    with pytest.raises(
+        ValueError,
+        match="tie_word_embeddings=True, but its lm_head.weight differs from "
+        "model.embed_tokens.weight: transformers then keeps both. Set",
+    ):
+        from_hugging_face(folder)
+    untied = edit_config(folder, tie_word_embeddings=False)
+    assert_same_logits(our_logits(untied), their_logits(folder))
+
+
+def test_gpt2_in_the_original_hub_layout(copy, saved):
+    """Names without `transformer.` and the causal-mask buffers, as in the
+    `gpt2` repository's model.safetensors."""
+    gpt2 = TINY["gpt2"][1]
+    positions = gpt2["n_positions"]
+    mask = np.tril(np.ones((positions, positions), "float32"))[None, None]
+
+    def hub_layout(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+        for layer in range(gpt2["n_layer"]):
+            tensors[f"h.{layer}.attn.bias"] = mask
+            tensors[f"h.{layer}.attn.masked_bias"] = np.array(-1e4, "float32")
+
+    folder = edit_tensors(copy("gpt2"), hub_layout)
+    assert "h.0.attn.c_attn.weight" in safetensors_numpy.load_file(
+        folder / "model.safetensors"
+    )
+    logits = our_logits(folder)
+    np.testing.assert_array_equal(logits, our_logits(saved["gpt2"][0]))
+    assert_same_logits(logits, their_logits(folder))
