@@ -303,8 +303,10 @@ def _gemma_like(config, dtype, version):
     add post-sublayer norms and windows, 2 soft-caps, 3 QK-norm and a rotary
     base per layer type."""
     count = config["num_hidden_layers"]
-    pattern = config.get("sliding_window_pattern")
-    pattern = pattern or config.get("_sliding_window_pattern", 6)
+    # transformers 5 writes `_sliding_window_pattern` beside `layer_types`
+    # but reads `sliding_window_pattern` alone (default 6).
+    config.get("_sliding_window_pattern")
+    pattern = config.get("sliding_window_pattern") or 6
     rule = {
         1: "none",
         2: lambda c, i: SLIDING if i % 2 == 0 else FULL,
