@@ -14,20 +14,19 @@ from keras_attn.models.hugging_face import _files
 from tests.helpers.backend import BACKEND, to_numpy
 
 VOCABULARY = 61
+LLAMA = dict(
+    vocab_size=VOCABULARY,
+    hidden_size=24,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+GEMMA = dict(LLAMA, hidden_size=16, head_dim=8)
 # name: (transformers config class, its arguments), the tiny folders altered.
 TINY = {
-    "llama": (
-        "LlamaConfig",
-        dict(
-            vocab_size=VOCABULARY,
-            hidden_size=24,
-            intermediate_size=40,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
-    ),
+    "llama": ("LlamaConfig", LLAMA),
     "gpt2": (
         "GPT2Config",
         dict(vocab_size=VOCABULARY, n_embd=16, n_layer=2, n_head=2, n_positions=48),
@@ -35,14 +34,7 @@ TINY = {
     "gemma2": (
         "Gemma2Config",
         dict(
-            vocab_size=VOCABULARY,
-            hidden_size=16,
-            intermediate_size=40,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            head_dim=8,
+            GEMMA,
             sliding_window=4,
             attn_logit_softcapping=3.0,
             final_logit_softcapping=5.0,
@@ -87,11 +79,10 @@ def assert_same_logits(actual, expected):
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4 * scale)
 
 
-def write_tiny(tmp_path_factory, name, **changes):
-    """`(folder, model)`: the tiny transformers model `TINY[name]` (its
-    arguments updated with `changes`) written by `save_pretrained`."""
-    config_class, kwargs = TINY[name]
-    model = tiny_causal_lm(config_class, **{**kwargs, **changes})
+def write_tiny(tmp_path_factory, name, config_class, kwargs):
+    """`(folder, model)`: a tiny transformers model (`tiny_causal_lm`)
+    written by `save_pretrained` in a new folder named after `name`."""
+    model = tiny_causal_lm(config_class, **kwargs)
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder)
     return folder, model
@@ -143,7 +134,11 @@ def their_logits(folder, token_ids=TOKENS):
 
 def our_logits(folder, token_ids=TOKENS):
     """The logits of `from_hugging_face(folder)` in float32."""
-    model = from_hugging_face(folder, dtype="float32")
+    return model_logits(from_hugging_face(folder, dtype="float32"), token_ids)
+
+
+def model_logits(model, token_ids=TOKENS):
+    """A Keras model's logits of `token_ids`, as numpy."""
     if BACKEND == "jax":  # one compiled call beats compiling each op (2.5x)
         return model.predict(token_ids, verbose=0)
     return to_numpy(model(token_ids))

@@ -1,12 +1,15 @@
 """`from_hugging_face` on unusual config.json entries: an unknown family, an
-entry nobody computes, each maths option we cannot compute raise a clear
-error, by name, before any weight is read; the layouts transformers also
-reads (transformers 4's `rope_scaling`, scaled rotary positions) load to
-transformers' logits.
+entry nobody computes, each maths option we cannot compute and a dtype that
+is not a float policy raise a clear error, by name, before any weight is
+read; the layouts transformers also reads (transformers 4's `rope_scaling`,
+scaled rotary positions, windows placed by a family's rule or list, Gemma 3
+before `layer_types`, Gemma's legacy `hidden_act`, absent entries as its
+class defaults) load to transformers' logits.
 
 Each tiny folder is written once per module and copied per test."""
 
 import os
+import re
 import shutil
 
 import keras
@@ -17,9 +20,13 @@ from keras_attn.models import from_hugging_face
 from tests.helpers.backend import to_numpy
 from tests.helpers.hugging_face import (
     DELETE,
+    GEMMA,
+    LLAMA,
+    TINY,
     assert_same_logits,
     edit_config,
     forbid_weight_reads,
+    model_logits,
     our_logits,
     their_logits,
     write_tiny,
@@ -30,6 +37,38 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+SLIDING, FULL = "sliding_attention", "full_attention"
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the vocabulary
+# The tiny folders of this module alone: (config class, arguments).
+LAYOUTS = {
+    **TINY,
+    "gemma": ("GemmaConfig", GEMMA),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(GEMMA, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=12),
+    ),
+    "qwen2": (  # transformers writes layer_types [full, sliding, sliding]
+        "Qwen2Config",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
+        ),
+    ),
+    "smollm3": (  # transformers writes layer_types [full, sliding] * 2
+        "SmolLM3Config",
+        dict(
+            LLAMA,
+            num_hidden_layers=4,
+            no_rope_layers=[1, 0, 1, 0],
+            use_sliding_window=True,
+            sliding_window=3,
+            **IDS,
+        ),
+    ),
+}
 FAMILIES_WE_LOAD = (
     "gemma", "gemma2", "gemma3_text", "gpt2", "llama",
     "mistral", "phi3", "qwen2", "qwen3", "smollm3",
@@ -39,8 +78,10 @@ FAMILIES_WE_LOAD = (
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name: (folder, transformers model), each written once."""
-    names = ("llama", "gpt2", "gemma2")
-    return {name: write_tiny(tmp_path_factory, name) for name in names}
+    return {
+        name: write_tiny(tmp_path_factory, name, *layout)
+        for name, layout in LAYOUTS.items()
+    }
 
 
 @pytest.fixture
@@ -200,6 +241,19 @@ REFUSED = {
         dict(sliding_window=None, layer_types=["sliding_attention"] * 2),
         "sliding layers need a `sliding_window`",
     ),
+    # transformers sets Qwen2's window to None without the flag, then fails
+    # on the sliding layers listed.
+    "Qwen2's sliding layers without use_sliding_window": (
+        "qwen2",
+        dict(use_sliding_window=False),
+        r"layer_types=\['full_attention', 'sliding_attention', 'sliding_attention'"
+        r"\]: sliding layers need a `sliding_window`",
+    ),
+    "Gemma's legacy gelu beside another hidden_activation": (
+        "gemma",
+        dict(hidden_act="gelu", hidden_activation="relu"),
+        "hidden_activation='relu': the gemma model reads `hidden_act` alone",
+    ),
 }
 
 
@@ -256,6 +310,95 @@ def test_scaled_rope_is_honoured(case, copy):
     assert_same_logits(our_logits(folder), their_logits(folder))
 
 
+# case: (folder, config changes, each block's window as transformers reads it)
+WINDOWS = {
+    "SmolLM3, use_sliding_window without layer_types: on its no-rope layers": (
+        "smollm3",
+        dict(layer_types=DELETE),
+        [None, 3, None, 3],
+    ),
+    "SmolLM3, layer_types without use_sliding_window: its masks follow the list": (
+        "smollm3",
+        dict(use_sliding_window=False, layer_types=[SLIDING, FULL, FULL, SLIDING]),
+        [3, None, None, 3],
+    ),
+    "Qwen2, use_sliding_window without layer_types: from max_window_layers on": (
+        "qwen2",
+        dict(layer_types=DELETE),
+        [None, 3, 3],
+    ),
+    # transformers 4: rope_theta, rope_local_base_freq, rope_scaling for the
+    # global layers, sliding_window_pattern, no layer_types.
+    "Gemma 3 in transformers 4's layout": (
+        "gemma3",
+        dict(
+            rope_parameters=DELETE,
+            layer_types=DELETE,
+            _sliding_window_pattern=DELETE,
+            sliding_window_pattern=2,
+            rope_theta=1e4,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+        [4, None, 4],
+    ),
+    # transformers 5 writes `_sliding_window_pattern`; it reads the public one.
+    "Gemma 3, both patterns: sliding_window_pattern wins": (
+        "gemma3",
+        dict(layer_types=DELETE, _sliding_window_pattern=3, sliding_window_pattern=2),
+        [4, None, 4],
+    ),
+    "Gemma 3, _sliding_window_pattern alone: the default 6": (
+        "gemma3",
+        dict(layer_types=DELETE, _sliding_window_pattern=2),
+        [4, 4, 4],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WINDOWS)
+def test_windows_where_transformers_puts_them(case, copy):
+    """Tokens longer than the window: a window misplaced changes the logits."""
+    name, changes, windows = WINDOWS[case]
+    folder = edit_config(copy(name), **changes)
+    model = from_hugging_face(folder, dtype="float32")
+    blocks = [b for b in model.layers if b.name.startswith("transformer_layer_")]
+    assert [block.sliding_window for block in blocks] == windows
+    assert_same_logits(model_logits(model), their_logits(folder))
+
+
+def test_gemma_legacy_gelu_beside_hidden_activation(copy):
+    """Gemma 1's `hidden_act="gelu"` is transformers' tanh approximation, the
+    function `hidden_activation="gelu_pytorch_tanh"` names too."""
+    folder = edit_config(
+        copy("gemma"), hidden_act="gelu", hidden_activation="gelu_pytorch_tanh"
+    )
+    model = from_hugging_face(folder, dtype="float32")
+    activation = model.get_layer("transformer_layer_0").get_config()["activation"]
+    assert "gelu_approximate" in str(activation)
+    assert_same_logits(model_logits(model), their_logits(folder))
+
+
+@pytest.mark.parametrize(
+    "entry, caps",
+    [(DELETE, (30.0, 50.0)), (None, (None, None))],
+    ids=["absent: transformers' class defaults", "null: none"],
+)
+def test_an_absent_entry_takes_transformers_default(entry, caps, copy):
+    """Gemma 2's soft-caps: absent means Gemma2Config's 30 (logits) and 50
+    (attention scores), null means no cap."""
+    folder = edit_config(
+        copy("gemma2"), final_logit_softcapping=entry, attn_logit_softcapping=entry
+    )
+    model = from_hugging_face(folder, dtype="float32")
+    read = (
+        model.get_layer("token_embedding").logit_soft_cap,
+        model.get_layer("transformer_layer_0").logit_soft_cap,
+    )
+    assert read == caps
+    assert_same_logits(model_logits(model), their_logits(folder))
+
+
 # --- dtype ---------------------------------------------------------------------
 
 
@@ -278,3 +421,12 @@ def test_gemma_in_mixed_bfloat16_loads(saved):
     variables = {v.path: v for v in model.weights}
     scale = variables["transformer_layer_1/feedforward_output_norm/scale"]
     np.testing.assert_array_equal(to_numpy(scale), w + np.float32(1.0))
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int8_from_float32", "float8_e4m3fn", 3])
+def test_a_dtype_that_is_not_a_float_policy_is_refused(dtype, saved, no_weight_reads):
+    with pytest.raises(
+        ValueError,
+        match=rf"`dtype` must be None .* Received: dtype={re.escape(repr(dtype))}\.",
+    ):
+        from_hugging_face(saved["llama"][0], dtype=dtype)

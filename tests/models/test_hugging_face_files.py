@@ -1,18 +1,24 @@
 """`from_hugging_face` on bad or unusual folders and files: a missing or
 unreadable file, an unreadable index or a missing shard, a tensor that does
 not match the config each raise a clear error before any weight is read; the
-layouts transformers also reads (sharded files, a tied head's stored copy,
-GPT-2's original hub names) load to transformers' logits.
+layouts transformers also reads (sharded files, a single file beside shards,
+a tied head's stored copy, GPT-2's original hub names) load to transformers'
+logits. `to_hugging_face`: each argument refused (a folder holding a
+checkpoint left as it was), a model no config describes, and the tensors'
+dtype.
 
 Each tiny folder is written once per module and copied per test."""
 
+import json
 import os
 import shutil
 
+import keras
 import numpy as np
 import pytest
 
-from keras_attn.models import from_hugging_face
+import keras_attn
+from keras_attn.models import from_hugging_face, to_hugging_face
 from tests.helpers.hugging_face import (
     TINY,
     VOCABULARY,
@@ -28,12 +34,14 @@ from tests.helpers.hugging_face import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
+safe_open = pytest.importorskip("safetensors").safe_open
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name: (folder, transformers model), each written once."""
-    return {name: write_tiny(tmp_path_factory, name) for name in ("llama", "gpt2")}
+    names = ("llama", "gpt2")
+    return {name: write_tiny(tmp_path_factory, name, *TINY[name]) for name in names}
 
 
 @pytest.fixture
@@ -169,6 +177,27 @@ def test_an_unreadable_index(index, match, sharded, tmp_path, no_weight_reads):
         from_hugging_face(folder)
 
 
+def test_a_folder_with_the_single_file_and_shards_reads_the_single_file(
+    saved, sharded, tmp_path
+):
+    """transformers reads model.safetensors where a folder also holds an
+    index and its shards: here the shards of one model (the tiny Llama) and
+    the file of another (its weights halved)."""
+    folder = shutil.copytree(sharded[0], tmp_path / "both")
+    file = os.path.join(saved["llama"][0], "model.safetensors")
+    halved = {
+        name: value * np.float32(0.5)
+        for name, value in safetensors_numpy.load_file(file).items()
+    }
+    safetensors_numpy.save_file(
+        halved, folder / "model.safetensors", metadata={"format": "pt"}
+    )
+    logits = our_logits(folder)
+    assert_same_logits(logits, their_logits(folder))
+    shards = our_logits(sharded[0])
+    assert np.abs(logits - shards).max() > 1e-2 * np.abs(shards).max()
+
+
 # --- Tensors against the config -------------------------------------------------
 
 
@@ -265,3 +294,104 @@ def test_gpt2_in_the_original_hub_layout(copy, saved):
     logits = our_logits(folder)
     np.testing.assert_array_equal(logits, our_logits(saved["gpt2"][0]))
     assert_same_logits(logits, their_logits(folder))
+
+
+# --- to_hugging_face's arguments and folder --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(saved):
+    """The tiny Llama loaded, to write back."""
+    return from_hugging_face(saved["llama"][0])
+
+
+def test_to_hugging_face_needs_a_keras_model(tmp_path):
+    with pytest.raises(TypeError, match=r"`model` must be a keras.Model .*: str\."):
+        to_hugging_face("x", tmp_path / "out", max_position_embeddings=64)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_to_hugging_face_needs_a_path(llama):
+    with pytest.raises(TypeError, match=r"`path` must be a folder .*Received: int\."):
+        to_hugging_face(llama, 3, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize(
+    "held", ["config.json", "model.safetensors", "model.safetensors.index.json"]
+)
+def test_to_hugging_face_leaves_a_checkpoint_alone(held, llama, tmp_path):
+    """A new model.safetensors beside old files would be read as either."""
+    (tmp_path / held).write_text("old")
+    with pytest.raises(
+        ValueError, match=rf"already holds a checkpoint \(\['{held}'\]\)"
+    ):
+        to_hugging_face(llama, tmp_path, max_position_embeddings=64)
+    assert os.listdir(tmp_path) == [held]
+    assert (tmp_path / held).read_text() == "old"
+
+
+def test_a_bfloat16_model_is_written_in_bfloat16(saved, tmp_path):
+    """dtype=None: the variables' dtype, in the tensors and the config."""
+    model = from_hugging_face(saved["llama"][0], dtype="bfloat16")
+    assert {keras.backend.standardize_dtype(w.dtype) for w in model.weights} == {
+        "bfloat16"
+    }
+    to_hugging_face(model, tmp_path, max_position_embeddings=64)
+    with open(tmp_path / "config.json") as handle:
+        assert json.load(handle)["dtype"] == "bfloat16"
+    with safe_open(tmp_path / "model.safetensors", framework="numpy") as file:
+        dtypes = {file.get_slice(name).get_dtype() for name in file.keys()}
+    assert dtypes == {"BF16"}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert theirs.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("limit", [None, 0, 64.0])
+def test_a_rotary_model_needs_max_position_embeddings(limit, llama, tmp_path):
+    """Rotary weights do not say the context length: the caller's config does."""
+    with pytest.raises(
+        ValueError,
+        match=rf"`max_position_embeddings` must be .* Received: "
+        rf"max_position_embeddings={limit!r}\.",
+    ):
+        to_hugging_face(llama, tmp_path / "out", max_position_embeddings=limit)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_gpt2_with_another_context_than_its_table(saved, tmp_path):
+    model = from_hugging_face(saved["gpt2"][0])
+    with pytest.raises(
+        ValueError,
+        match=r"GPT-2's context is its position table's length, 48\. "
+        r"Received: max_position_embeddings=64\.",
+    ):
+        to_hugging_face(model, tmp_path / "out", max_position_embeddings=64)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_layer_norm_model_whose_final_norm_has_no_offset(tmp_path):
+    """GPT-2's blocks, learned positions, and a final layer norm without
+    an offset: GPT-2's config cannot say that; a ValueError names it."""
+    block = dict(
+        intermediate_dim=32,
+        num_heads=2,
+        normalize_first=True,
+        normalization="layer_norm",
+        activation=keras_attn.models.gelu_approximate,
+        layer_norm_epsilon=1e-5,
+    )
+    spec = keras_attn.models.DecoderLMSpec(
+        vocabulary_size=VOCABULARY,
+        hidden_dim=16,
+        blocks=(block,),
+        normalization="layer_norm",
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        positions=16,
+    )
+    model = keras_attn.models.decoder_lm(spec)
+    with pytest.raises(
+        ValueError, match=r"gpt2: it would compute with \{'use_bias': \(False, True\)\}"
+    ):
+        to_hugging_face(model, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
