@@ -1,6 +1,6 @@
 """The benchmarks' measuring protocol (warm-up calls, medians, peak memory), and
-the smoke runs of the GPU, PyTorch overhead and int8 cache benchmarks on a
-CPU."""
+the smoke runs of the GPU, PyTorch overhead, int8 cache and Hugging Face load
+benchmarks on a CPU."""
 
 import os
 import re
@@ -218,3 +218,31 @@ def test_int8_cache_smoke_run_reports_each_target(tmp_path):
         assert re.search(rf"\| FINDINGS decoder [^|]+ \| {cells} \|", text), variant
     for part in ("attention", "read", "cast"):
         assert re.search(rf"\| 256 \| {part} \| \d+\.\d{{3}} \| \d+\.\d{{3}} \|", text)
+
+
+@pytest.mark.processes
+def test_hugging_face_load_smoke_run_measures_each_step_in_its_own_process(tmp_path):
+    """`benchmarks/hugging_face_load.py --smoke`: a tiny Llama checkpoint
+    written by transformers, then build, `from_hugging_face` and the naive
+    whole-file load, each in a fresh process, with its peak against the
+    file's and the model's bytes (bfloat16 alone: one writer process)."""
+    require("transformers", "safetensors", "ml_dtypes")
+    command = [sys.executable, str(ROOT / "benchmarks" / "hugging_face_load.py")]
+    command += ["--smoke", "--dtype", "bfloat16", "--save"]
+    command += ["--folder", str(tmp_path / "checkpoints"), "--results", str(tmp_path)]
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = (tmp_path / f"hugging_face_load_{BACKEND}.md").read_text()
+    assert "Smoke run (`--smoke`)" in text and "Load average" in text
+    assert f"`KERAS_BACKEND={BACKEND}`" in text and "Command: `" in text
+    # 147,776 parameters (a 2-layer Llama of width 64, vocabulary 512), 2 bytes each.
+    assert "147,776 parameters, variables 295,552 bytes" in text
+    assert "largest tensor 65,536 bytes" in text  # the 512 x 64 token table
+    for step in ("build", "from_hugging_face", "naive"):
+        cells = [step, r"-?[\d,]+\.\d", r"-?[\d,]+"]
+        cells += [r"-?\d+\.\d\dx"] * 2 + [r"[+-]\d+\.\d\d"]
+        cells += [r"[\d,]+\.\d"] * 2 + [r"-?[\d,]+\.\d", r"\d+\.\d"]
+        assert re.search(r"\| " + r" \| ".join(cells) + r" \|\n", text), step
