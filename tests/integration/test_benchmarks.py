@@ -221,6 +221,12 @@ def test_int8_cache_smoke_run_reports_each_target(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.skipif(
+    BACKEND != "tensorflow",
+    reason="suite time (32-40 s a backend, mostly four processes' imports): the "
+    "script is the same on every backend, and its runs per backend are its "
+    "results (benchmarks/results/hugging_face_load_*.md)",
+)
 def test_hugging_face_load_smoke_run_measures_each_step_in_its_own_process(tmp_path):
     """`benchmarks/hugging_face_load.py --smoke`: a tiny Llama checkpoint
     written by transformers, then build, `from_hugging_face` and the naive
