@@ -162,3 +162,13 @@ def all_layers(model):
     and nowhere else (tests/layers/test_keras_internals.py fails if a Keras
     release moves it)."""
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def quantized_layers(model):
+    """The names of `model`'s quantized layers (int8, float8, ...), nested
+    ones included: the converters write and read float weights only."""
+    return [
+        layer.name
+        for layer in all_layers(model)
+        if getattr(layer, "quantization_mode", None)
+    ]

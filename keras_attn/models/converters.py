@@ -6,7 +6,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_attn.layers._machinery import all_layers
+from keras_attn.layers._machinery import quantized_layers
 from keras_attn.models._config_entries import ConfigEntries
 from keras_attn.models.activations import gelu_approximate
 from keras_attn.models.decoder_lm import DecoderLMSpec, decoder_lm
@@ -127,11 +127,7 @@ def _backbone(model):
             "has a DTypePolicyMap. Convert the model built with one policy, "
             "then give the keras_attn model its map."
         )
-    quantized = [
-        layer.name
-        for layer in all_layers(backbone)
-        if getattr(layer, "quantization_mode", None)
-    ]
+    quantized = quantized_layers(backbone)
     if quantized:
         raise ValueError(
             "`from_keras_hub` converts float weights; these layers are "

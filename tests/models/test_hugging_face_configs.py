@@ -10,7 +10,6 @@ Each tiny folder is written once per module and copied per test."""
 
 import os
 import re
-import shutil
 
 import keras
 import numpy as np
@@ -25,7 +24,6 @@ from tests.helpers.hugging_face import (
     TINY,
     assert_same_logits,
     edit_config,
-    forbid_weight_reads,
     model_logits,
     our_logits,
     their_logits,
@@ -82,21 +80,6 @@ def saved(tmp_path_factory):
         name: write_tiny(tmp_path_factory, name, *layout)
         for name, layout in LAYOUTS.items()
     }
-
-
-@pytest.fixture
-def copy(saved, tmp_path):
-    """`copy(name)`: a fresh copy of the saved folder `name` to alter."""
-
-    def make(name, to="copy"):
-        return shutil.copytree(saved[name][0], tmp_path / to)
-
-    return make
-
-
-@pytest.fixture
-def no_weight_reads(monkeypatch):
-    forbid_weight_reads(monkeypatch)
 
 
 # --- Families and entries refused -----------------------------------------------

@@ -25,7 +25,6 @@ from tests.helpers.hugging_face import (
     assert_same_logits,
     edit_config,
     edit_tensors,
-    forbid_weight_reads,
     our_logits,
     their_logits,
     write_tiny,
@@ -42,21 +41,6 @@ def saved(tmp_path_factory):
     """name: (folder, transformers model), each written once."""
     names = ("llama", "gpt2")
     return {name: write_tiny(tmp_path_factory, name, *TINY[name]) for name in names}
-
-
-@pytest.fixture
-def copy(saved, tmp_path):
-    """`copy(name)`: a fresh copy of the saved folder `name` to alter."""
-
-    def make(name, to="copy"):
-        return shutil.copytree(saved[name][0], tmp_path / to)
-
-    return make
-
-
-@pytest.fixture
-def no_weight_reads(monkeypatch):
-    forbid_weight_reads(monkeypatch)
 
 
 def test_the_no_read_guard_catches_a_load(saved, no_weight_reads):

@@ -9,7 +9,7 @@ import math
 
 import keras
 
-from keras_attn.layers._machinery import all_layers
+from keras_attn.layers._machinery import all_layers, quantized_layers
 from keras_attn.models.decoder_lm import spec_of
 from keras_attn.models.hugging_face._config import HFConfig
 from keras_attn.models.hugging_face._families import read_family
@@ -141,11 +141,7 @@ def _limit(spec, family, max_position_embeddings):
 
 
 def _check_float(model):
-    quantized = [
-        layer.name
-        for layer in all_layers(model)
-        if getattr(layer, "quantization_mode", None)
-    ]
+    quantized = quantized_layers(model)
     if quantized:
         raise ValueError(
             "`to_hugging_face` writes float weights; these layers are "
