@@ -164,10 +164,10 @@ def _describe(spec, model_type):
     """`(family, config, links)` of the first family whose config, read
     back, is `spec`; a ValueError listing why each failed."""
     reasons = {}
+    blocks = [resolved(b, spec.hidden_dim) for b in spec.blocks]  # once, not per family
     for family in (model_type,) if model_type else PREFERENCE:
         architecture, writer = WRITERS[family]
         try:
-            blocks = [resolved(b, spec.hidden_dim) for b in spec.blocks]
             config = writer(spec, blocks) | {
                 "model_type": family,
                 "architectures": [architecture],
@@ -178,7 +178,7 @@ def _describe(spec, model_type):
         except ValueError as error:
             reasons[family] = str(error)
             continue
-        differences = _differences(spec, read)
+        differences = _differences(spec, blocks, read)
         if not differences:
             return family, config, links
         reasons[family] = f"it would compute with {differences}"
@@ -189,8 +189,9 @@ def _describe(spec, model_type):
     )
 
 
-def _differences(ours, theirs):
-    """The entries where two specs differ in what they compute."""
+def _differences(ours, our_blocks, theirs):
+    """The entries where two specs differ in what they compute
+    (`our_blocks`: `ours.blocks`, resolved)."""
     found = {}
     exact = (
         "vocabulary_size",
@@ -207,8 +208,8 @@ def _differences(ours, theirs):
             found[key] = (getattr(ours, key), getattr(theirs, key))
     if ours.positions != theirs.positions or len(ours.blocks) != len(theirs.blocks):
         found["positions or blocks"] = (ours.positions, len(ours.blocks))
-    for i, (a, b) in enumerate(zip(ours.blocks, theirs.blocks, strict=False)):
-        a, b = resolved(a, ours.hidden_dim), resolved(b, theirs.hidden_dim)
+    for i, (a, b) in enumerate(zip(our_blocks, theirs.blocks, strict=False)):
+        b = resolved(b, theirs.hidden_dim)
         found.update(
             {
                 f"block {i} {k}": (a.get(k), b.get(k))
