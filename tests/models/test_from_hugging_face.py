@@ -13,6 +13,8 @@ import keras_attn
 from keras_attn.models import from_hugging_face
 from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.hugging_face import (
+    LLAMA,
+    VOCABULARY,
     assert_same_logits,
     tiny_causal_lm,
     transformers_logits,
@@ -21,19 +23,10 @@ from tests.helpers.hugging_face import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCABULARY = 61
 NEW_TOKENS = 20
+# The helpers' tiny Llama with a third layer and ids in the vocabulary.
 LLAMA_LIKE = dict(
-    vocab_size=VOCABULARY,
-    hidden_size=24,
-    intermediate_size=40,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+    LLAMA, num_hidden_layers=3, pad_token_id=0, bos_token_id=1, eos_token_id=2
 )
 GEMMA = dict(LLAMA_LIKE, head_dim=8, hidden_size=16)
 LLAMA_3_1 = dict(  # bands of 4 and 16 positions: every channel in some band
