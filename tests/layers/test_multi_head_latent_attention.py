@@ -219,6 +219,14 @@ def test_generate_greedy_equals_the_full_forward(model):
             assert chosen >= row_logits[position - 1].max() - 1e-4, position
 
 
+def test_left_padded_prompts_decode_as_each_prompt_alone(model):
+    """A shorter prompt is left-padded, and its padding is never attended
+    to: its row decodes as the prompt alone."""
+    together = to_numpy(generate(model, [[3, 4, 5, 6], [7, 8]], max_length=10))
+    alone = to_numpy(generate(model, [[7, 8]], max_length=8))
+    np.testing.assert_array_equal(together[1, :8], alone[0])  # rows come back unpadded
+
+
 def test_spec_and_keras_round_trips(model, tmp_path):
     tokens = np.array([[1, 2, 3, 4, 5]])
     expected = to_numpy(model(tokens))
