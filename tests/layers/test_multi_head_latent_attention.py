@@ -19,7 +19,7 @@ from keras_attn.generation import generate
 from keras_attn.layers import MultiHeadLatentAttention
 from keras_attn.models import DecoderLMSpec, decoder_lm
 from keras_attn.models.decoder_lm import spec_of
-from tests.helpers.backend import to_numpy
+from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.contract import run_layer_contract
 
 # Distinct sizes, so that a swapped axis cannot pass.
@@ -203,20 +203,38 @@ def model():
     return mla_model()
 
 
-def test_generate_greedy_equals_the_full_forward(model):
-    """Greedy tokens, past the first cache segment (64 positions), are the
-    argmax of one full pass without a cache; each block has its own layer."""
-    blocks = [layer for layer in model.layers if "transformer_layer" in layer.name]
-    first, second = (b.self_attention for b in blocks)
-    assert first is not second and first.name == "self_attention"
-    assert isinstance(first, MultiHeadLatentAttention)
+def assert_greedy(model, max_length):
+    """Greedy tokens of `generate` are the argmax of one full pass."""
     prompts = np.array([[3, 4, 5, 6], [7, 8, 9, 10]])
-    tokens = to_numpy(generate(model, prompts, max_length=68))
+    tokens = to_numpy(generate(model, prompts, max_length=max_length))
     logits = to_numpy(model(tokens))
     for row, row_logits in zip(tokens, logits, strict=True):
         for position in range(4, len(row)):
             chosen = row_logits[position - 1, row[position]]
             assert chosen >= row_logits[position - 1].max() - 1e-4, position
+
+
+def test_generate_greedy_equals_the_full_forward(model):
+    """Past the first cache segment (64 positions) too; each block has its
+    own layer."""
+    blocks = [layer for layer in model.layers if "transformer_layer" in layer.name]
+    first, second = (b.self_attention for b in blocks)
+    assert first is not second and first.name == "self_attention"
+    assert isinstance(first, MultiHeadLatentAttention)
+    assert_greedy(model, max_length=68)
+
+
+@pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="suite time (40 s on JAX, 20 s on TensorFlow, compiling the int8 "
+    "kernels): the branch is keras.ops alone, the same on every backend",
+)
+def test_quantized_models_decode_in_the_expanded_form():
+    """An int8 `key_value_b` holds no float W_UK to absorb: the steps expand
+    the latents instead, and still give the full pass's argmax."""
+    quantized = mla_model()
+    quantized.quantize("int8")
+    assert_greedy(quantized, max_length=10)
 
 
 def test_left_padded_prompts_decode_as_each_prompt_alone(model):
