@@ -8,23 +8,18 @@ from keras import ops
 
 from keras_attn._checks import (
     check_bool,
-    check_float,
-    check_index,
-    check_mask,
-    check_positions,
     check_positive_float,
     check_positive_int,
     check_rank,
     check_rate,
-    check_segment_ids_call,
     check_size,
-    check_width,
     get_keras_object,
 )
 from keras_attn.cache import LatentCache
 from keras_attn.layers import _int8
+from keras_attn.layers import _latent_attention_checks as _checks
 from keras_attn.layers._attention_axes import AttentionAxes
-from keras_attn.layers._attention_call import AttentionCall, check_scores_allowed
+from keras_attn.layers._attention_call import AttentionCall
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._initializers import MatrixInitializer
 from keras_attn.layers._lean_call import call_sublayer
@@ -154,7 +149,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.kv_lora_rank = check_positive_int("kv_lora_rank", kv_lora_rank)
         self.qk_nope_head_dim = check_positive_int("qk_nope_head_dim", qk_nope_head_dim)
-        self.qk_rope_head_dim = _check_even(qk_rope_head_dim)
+        self.qk_rope_head_dim = _checks.check_even(qk_rope_head_dim)
         self.v_head_dim = check_positive_int("v_head_dim", v_head_dim)
         self.q_lora_rank = check_positive_int("q_lora_rank", q_lora_rank, True)
         self.rope_max_wavelength = check_positive_float(
@@ -383,49 +378,12 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
 
     def _check_call(self, call):
         """Every argument of a call, once, before anything is computed."""
-        query = call.query
-        check_rank("query", query.shape, 3, "(batch, length, width)")
-        check_float("query", query)
-        if self.built:
-            check_width("query", query.shape, self._width)
-        check_bool("use_causal_mask", call.use_causal_mask)
-        check_scores_allowed(self.flash_attention, call.return_attention_scores)
-        batch, target = query.shape[:2]
-        keys = self._check_cache_and_index(call, batch, target)
-        check_mask("value_mask", call.value_mask, (batch, keys))
-        check_mask("attention_mask", call.attention_mask, (batch, target, keys))
-        if call.attention_bias is not None:
-            check_float("attention_bias", call.attention_bias)
-        check_positions(call.positions, batch, target, self.rope_max_wavelength)
-        conflict = None if call.cache is None else "a `cache`"
-        check_segment_ids_call(call.segment_ids, (batch, target), conflict)
-
-    def _check_cache_and_index(self, call, batch, target):
-        cache, index = call.cache, call.cache_update_index
-        if (cache is None) != (index is None):
-            raise ValueError(
-                "`cache` and `cache_update_index` go together (a latent cache "
-                f"is always written). Received: cache={type(cache).__name__}, "
-                f"cache_update_index={index}."
-            )
-        if cache is None:
-            return target
-        self.check_cache(cache, batch)
-        check_index("cache_update_index", index, target, cache.length)
-        return cache.length
+        _checks.check_call(self, call)
 
     def check_cache(self, cache, batch, name="cache"):
         """Raise unless `cache` is a float `LatentCache` of this layer's
         width, `(batch, length, kv_lora_rank + qk_rope_head_dim)`."""
-        if not isinstance(cache, LatentCache):
-            raise TypeError(
-                f"`{name}` must be a `keras_attn.cache.LatentCache` (as "
-                "`get_empty_cache` makes it). "
-                f"Received: {name} of type {type(cache).__name__}."
-            )
-        width = self.kv_lora_rank + self.qk_rope_head_dim
-        check_mask(f"{name}.latent", cache.latent, (batch, None, width))
-        check_float(f"{name}.latent", cache.latent)
+        _checks.check_cache(self, cache, batch, name)
 
     # --- Caches ---------------------------------------------------------------
 
@@ -527,13 +485,3 @@ def _per_head(context, kernel):
     kernel = ops.transpose(kernel, (1, 0, 2))  # (H, r, v)
     context = ops.matmul(ops.transpose(context, (0, 2, 1, 3)), kernel)  # (B, H, T, v)
     return ops.transpose(context, (0, 2, 1, 3))
-
-
-def _check_even(qk_rope_head_dim):
-    value = check_positive_int("qk_rope_head_dim", qk_rope_head_dim)
-    if value % 2:
-        raise ValueError(
-            "`qk_rope_head_dim` must be even: rotary channels turn in pairs. "
-            f"Received: qk_rope_head_dim={value}."
-        )
-    return value
