@@ -16,6 +16,10 @@ on TensorFlow, where Keras trains with XLA on a GPU: the gradient of Keras'
 TensorFlow `scan`, a `tf.while_loop` without `maximum_iterations`, asks XLA
 for "a fixed tensor list size". It also recomputes each chunk's output in
 the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
+
+Sink logits (gpt-oss: a logit per head in each row's denominator) join each
+row's log-sum-exp `L`; the sink's weight `exp(s_h - L)` has no value, so its
+logit's gradient is `-sum exp(s_h - L) rowsum(dO * O)` over the rows.
 """
 
 import dataclasses
@@ -113,7 +117,9 @@ def _recomputed(query, key, value, masking, count, rows, options, extra):
                 given.get("offset"), own,
             )[0]  # fmt: skip
 
-        tensors = {**extra, **{n: chunk[n] for n in ("bias",) if n in chunk}}
+        tensors = dict(extra)
+        if "bias" in chunk:  # a bias per row: this chunk's rows
+            tensors["bias"] = chunk["bias"]
         names = tuple(tensors)
         output = keras.remat(attend)(chunk["query"], key, value, *tensors.values())
         return output, output
