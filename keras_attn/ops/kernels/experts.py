@@ -32,6 +32,9 @@ Measured and left out (CPU, one thread; `benchmarks/mixture_of_experts.py`,
   `torch.bfloat16` values on CUDA devices with SM >= 80"; on a CPU in float32
   it runs, but needs rows whose strides are multiples of 16 bytes. Both are
   the natural kernels on a GPU, not measured there yet.
+- The blocks one at a time (a Python loop, unrolled under jit: no
+  `(blocks, D, F)` copy of the matrices): on PyTorch 2.89x the dense network
+  forward against 2.68x for the batched blocks (block 256, a loaded machine).
 """
 
 import collections
@@ -185,16 +188,24 @@ def _layout(expert_ids, num_experts, block_size):
     sorted_ids = ops.take(flat_ids, order)
     rank = ops.arange(assignments, dtype="int32") - ops.take(starts, sorted_ids)
     sorted_rows = ops.take(padded_starts, sorted_ids) + rank
-    row_of = ops.scatter(order[:, None], sorted_rows, (assignments,))
+    # Gathers only (Keras' scatter on PyTorch loops over elements in Python):
+    # the inverse permutation by a second sort, each row's token from its
+    # block's expert and its rank there (padding rows: a real token, unused).
+    row_of = ops.take(sorted_rows, ops.cast(ops.argsort(order), "int32"))
     bound = assignments + num_experts * (block_size - 1)
     num_blocks = -(-bound // block_size)
-    tokens = ops.arange(assignments, dtype="int32") // top_k
-    token_of = ops.scatter(row_of[:, None], tokens, (num_blocks * block_size,))
-    block_starts = ops.arange(num_blocks, dtype="int32") * block_size
-    block_expert = ops.sum(
-        ops.cast(padded_ends[None, :] <= block_starts[:, None], "int32"), axis=1
+    padded_rows = ops.arange(num_blocks * block_size, dtype="int32")
+    row_expert = ops.sum(
+        ops.cast(padded_ends[None, :] <= padded_rows[:, None], "int32"), axis=1
     )
-    return row_of, token_of, ops.minimum(block_expert, num_experts - 1)
+    row_expert = ops.minimum(row_expert, num_experts - 1)
+    row_rank = padded_rows - ops.take(padded_starts, row_expert)
+    last = ops.take(starts + counts, row_expert) - 1
+    sorted_index = ops.clip(ops.take(starts, row_expert) + row_rank, 0, last)
+    sorted_index = ops.clip(sorted_index, 0, assignments - 1)
+    token_of = ops.take(order, sorted_index) // top_k
+    block_expert = ops.reshape(row_expert, (num_blocks, block_size))[:, 0]
+    return row_of, token_of, block_expert
 
 
 def _blocks(x, expert_ids, expert_weights, weights, hidden_fn, block_size):
