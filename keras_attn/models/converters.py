@@ -77,8 +77,13 @@ def from_keras_hub(model):
     Families: GPT-2 (`GPT2Backbone`), LLaMA and Llama 3 (`LlamaBackbone`,
     `Llama3Backbone`, with Llama 3.1's frequency adjustment), Mistral
     (`MistralBackbone`), Gemma and Gemma 2 (`GemmaBackbone`, with its
-    post-sublayer norms, soft-caps and alternating sliding windows) and
-    Qwen3 (`Qwen3Backbone`).
+    post-sublayer norms, soft-caps and alternating sliding windows), Qwen3
+    (`Qwen3Backbone`), and the mixtures of experts (their feed-forward
+    networks `keras_attn.layers.MixtureOfExperts`): Mixtral
+    (`MixtralBackbone`), Qwen3-MoE (`Qwen3MoeBackbone`, dense blocks where
+    keras-hub puts them) and gpt-oss (`GptOssBackbone`, with its attention
+    sinks, YaRN and windows on the odd blocks, as keras-hub places them,
+    not as Hugging Face does).
 
     Raises:
         ValueError: for another kind of model, and for an option of a known
