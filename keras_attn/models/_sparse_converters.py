@@ -49,12 +49,19 @@ def _experts(**arguments):
     may be shared by several blocks, a layer may not)."""
     from keras_attn.layers import MixtureOfExperts
 
-    return keras.saving.serialize_keras_object(MixtureOfExperts(**arguments))
+    return keras.saving.serialize_keras_object(
+        MixtureOfExperts(name="feedforward", **arguments)
+    )
 
 
 def _sparse_block(block, experts):
-    """`block` with `experts` as its feed-forward network."""
+    """`block` with `experts` as its feed-forward network (the dense
+    network's options dropped: the experts carry their own)."""
+    block = {k: v for k, v in block.items() if k not in _DENSE_FEEDFORWARD}
     return {**block, "intermediate_dim": None, "feedforward": experts}
+
+
+_DENSE_FEEDFORWARD = ("gated_feedforward", "activation")
 
 
 # --- Mixtral -------------------------------------------------------------------
@@ -285,8 +292,10 @@ def _moe_names(index, **theirs):
 
 def _load_balancing(config, key):
     """keras-hub's router auxiliary-loss coefficient as our
-    `load_balancing_loss` (training only)."""
-    return float(config[key])
+    `load_balancing_loss` (training only). keras-hub's loss averages over
+    the `top_k` slots where ours (transformers') sums over them: the same
+    loss takes a coefficient `top_k` times smaller."""
+    return float(config[key]) / config["top_k"]
 
 
 SPARSE_FAMILIES = {

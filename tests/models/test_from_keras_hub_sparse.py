@@ -172,3 +172,17 @@ def test_an_entry_our_layers_lack_raises_naming_it(family, overrides, named):
     backbone = getattr(keras_hub.models, cls)(**{**kwargs, **overrides})
     with pytest.raises(ValueError, match=named):
         from_keras_hub(backbone)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_training_adds_keras_hub_load_balancing_losses(family, converted):
+    """keras-hub's router auxiliary loss (a mean over the k slots) is ours
+    with the coefficient divided by k (a sum over them), one per sparse
+    block."""
+    backbone, model = converted(family)
+    backbone({"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS)}, training=True)
+    expected = sorted(float(to_numpy(loss)) for loss in backbone.losses)
+    model(TOKENS, training=True)
+    actual = sorted(float(to_numpy(loss)) for loss in model.losses)
+    assert len(expected) == sum(_sparse_blocks(model))
+    np.testing.assert_allclose(actual, expected, rtol=1e-5)
