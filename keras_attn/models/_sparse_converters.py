@@ -21,6 +21,7 @@ keras-hub 0.32 computes, entry by entry (its inference; training noted):
 
 import keras
 
+from keras_attn.layers import MixtureOfExperts
 from keras_attn.models._hub_parts import (
     LLAMA_ATTENTION,
     QKVO,
@@ -47,8 +48,6 @@ GPT_OSS_YARN = {
 def _experts(**arguments):
     """A `MixtureOfExperts`' serialized form, one per block (a block dict
     may be shared by several blocks, a layer may not)."""
-    from keras_attn.layers import MixtureOfExperts
-
     return keras.saving.serialize_keras_object(
         MixtureOfExperts(name="feedforward", **arguments)
     )
@@ -287,7 +286,8 @@ def _moe_names(index, **theirs):
         names.append(
             (f"transformer_layer_{index}/feedforward/{path}", weight.path, transform)
         )
-    return names
+    # The token counts per expert our layer records in training.
+    return names + [(f"transformer_layer_{index}/feedforward/expert_load", None, None)]
 
 
 def _load_balancing(config, key):

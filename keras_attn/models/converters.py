@@ -163,7 +163,9 @@ class _Config(ConfigEntries):
 def copy_weights(ours, backbone, names):
     """Assign `backbone`'s weights to `ours`: `names` is a list of `(our path,
     their path, transform or None)`; every weight of each side takes part
-    exactly once, or a `ValueError` names the ones left over."""
+    exactly once, or a `ValueError` names the ones left over. Their path
+    None marks a state variable of ours keras-hub has no counterpart of (an
+    experts' load record), left at its initial value."""
     mine = {w.path: w for w in ours.weights}
     theirs = {w.path: w for w in backbone.weights}
     left_mine = sorted(set(mine) - {o for o, _, _ in names})
@@ -174,6 +176,8 @@ def copy_weights(ours, backbone, names):
             f"{left_theirs}, keras_attn's {left_mine}."
         )
     for our_path, their_path, transform in names:
+        if their_path is None:
+            continue
         value = keras.ops.convert_to_numpy(theirs[their_path])
         mine[our_path].assign(transform(value) if transform else value)
 
