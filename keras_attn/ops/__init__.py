@@ -21,6 +21,7 @@ from keras_attn.ops.positions import (
     rotary_embedding,
     segment_positions,
     sinusoidal_position_encoding,
+    yarn_mscale,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "segment_positions",
     "sinusoidal_position_encoding",
     "sliding_window_mask",
+    "yarn_mscale",
 ]
