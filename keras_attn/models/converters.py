@@ -8,6 +8,18 @@ import numpy as np
 
 from keras_attn.layers._machinery import quantized_layers
 from keras_attn.models._config_entries import ConfigEntries
+from keras_attn.models._hub_parts import (
+    LLAMA_BLOCK,
+    QKVO,
+    QWEN3_BLOCK,
+    block_names,
+    dtype_of,
+    llama_block,
+    llama_like,
+    pairs,
+    qwen3_attention,
+)
+from keras_attn.models._sparse_converters import SPARSE_FAMILIES
 from keras_attn.models.activations import gelu_approximate
 from keras_attn.models.decoder_lm import DecoderLMSpec, decoder_lm
 
@@ -19,23 +31,8 @@ def _same(*paths):
     return {path: path for path in paths}
 
 
-_QKVO = ("query", "key", "value", "attention_output")
-# Per block, our weight path: keras-hub's (in its block of the same index).
-LLAMA_BLOCK = {
-    **_same(*(f"self_attention/{p}/kernel" for p in _QKVO)),
-    **_same(
-        *(f"feedforward_{p}_dense/kernel" for p in ("intermediate", "gate", "output"))
-    ),
-    "self_attention_layer_norm/scale": "self_attention_layernorm/scale",
-    "feedforward_layer_norm/scale": "feedforward_layernorm/scale",
-}
-QWEN3_BLOCK = {
-    **LLAMA_BLOCK,
-    "self_attention/query_norm/scale": "self_attention/query_dense_layernorm/scale",
-    "self_attention/key_norm/scale": "self_attention/key_dense_layernorm/scale",
-}
 GPT2_BLOCK = _same(
-    *(f"self_attention/{p}/{w}" for p in _QKVO for w in ("kernel", "bias")),
+    *(f"self_attention/{p}/{w}" for p in QKVO for w in ("kernel", "bias")),
     *(
         f"{n}_layer_norm/{w}"
         for n in ("self_attention", "feedforward")
@@ -48,7 +45,7 @@ GPT2_BLOCK = _same(
     ),
 )
 GEMMA_BLOCK = {
-    **{f"self_attention/{p}/kernel": f"attention/{p}/kernel" for p in _QKVO},
+    **{f"self_attention/{p}/kernel": f"attention/{p}/kernel" for p in QKVO},
     "self_attention_layer_norm/scale": "pre_attention_norm/scale",
     "feedforward_gate_dense/kernel": "ffw_gating/kernel",
     "feedforward_intermediate_dense/kernel": "ffw_gating_2/kernel",
@@ -80,8 +77,13 @@ def from_keras_hub(model):
     Families: GPT-2 (`GPT2Backbone`), LLaMA and Llama 3 (`LlamaBackbone`,
     `Llama3Backbone`, with Llama 3.1's frequency adjustment), Mistral
     (`MistralBackbone`), Gemma and Gemma 2 (`GemmaBackbone`, with its
-    post-sublayer norms, soft-caps and alternating sliding windows) and
-    Qwen3 (`Qwen3Backbone`).
+    post-sublayer norms, soft-caps and alternating sliding windows), Qwen3
+    (`Qwen3Backbone`), and the mixtures of experts (their feed-forward
+    networks `keras_attn.layers.MixtureOfExperts`): Mixtral
+    (`MixtralBackbone`), Qwen3-MoE (`Qwen3MoeBackbone`, dense blocks where
+    keras-hub puts them) and gpt-oss (`GptOssBackbone`, with its attention
+    sinks, YaRN and windows on the odd blocks, as keras-hub places them,
+    not as Hugging Face does).
 
     Raises:
         ValueError: for another kind of model, and for an option of a known
@@ -161,7 +163,9 @@ class _Config(ConfigEntries):
 def copy_weights(ours, backbone, names):
     """Assign `backbone`'s weights to `ours`: `names` is a list of `(our path,
     their path, transform or None)`; every weight of each side takes part
-    exactly once, or a `ValueError` names the ones left over."""
+    exactly once, or a `ValueError` names the ones left over. Their path
+    None marks a state variable of ours keras-hub has no counterpart of (an
+    experts' load record), left at its initial value."""
     mine = {w.path: w for w in ours.weights}
     theirs = {w.path: w for w in backbone.weights}
     left_mine = sorted(set(mine) - {o for o, _, _ in names})
@@ -172,6 +176,8 @@ def copy_weights(ours, backbone, names):
             f"{left_theirs}, keras_attn's {left_mine}."
         )
     for our_path, their_path, transform in names:
+        if their_path is None:
+            continue
         value = keras.ops.convert_to_numpy(theirs[their_path])
         mine[our_path].assign(transform(value) if transform else value)
 
@@ -201,10 +207,10 @@ def _gpt2(config, backbone):
         use_bias=True,
         positions=config["max_sequence_length"],
         dropout=config["dropout"],
-        dtype=_dtype(backbone),
+        dtype=dtype_of(backbone),
     )
-    names = _block_names(config["num_layers"], GPT2_BLOCK)
-    names += _pairs(
+    names = block_names(config["num_layers"], GPT2_BLOCK)
+    names += pairs(
         ("token_embedding/embeddings", "token_embedding/embeddings"),
         ("position_embedding/embeddings", "position_embedding/embeddings"),
         ("final_norm/gamma", "layer_norm/gamma"),
@@ -221,7 +227,7 @@ def _llama(config, backbone):
             "its `LlamaRotaryEmbedding` does not divide the frequencies by it",
         )
     scaling = _llama3_scaling(config)
-    block = _llama_block(config, rope_scaling=scaling)
+    block = llama_block(config, rope_scaling=scaling)
     return _llama_like(config, backbone, block, LLAMA_BLOCK)
 
 
@@ -250,7 +256,7 @@ def _llama3_scaling(config):
 
 def _mistral(config, backbone):
     """Mistral: LLaMA's block with a sliding window."""
-    block = _llama_block(
+    block = llama_block(
         config,
         rope_scaling_factor=float(config["rope_scaling_factor"]),
         sliding_window=config["sliding_window"],
@@ -260,68 +266,16 @@ def _mistral(config, backbone):
 
 
 def _qwen3(config, backbone):
-    """Qwen3: LLaMA's block with QK-norm (of its own epsilon) and a head width
-    of its own. No sliding window: keras-hub 0.32 applies
-    `sliding_window_size` only on TensorFlow (its fused JAX and PyTorch path
-    skips it), and Hugging Face's Qwen3 has none unless asked."""
-    attention = backbone.transformer_layers[0]._self_attention_layer
-    window = config["sliding_window_size"]
-    if window and keras.config.backend() == "tensorflow":
-        config.ignored_by_keras_hub(
-            "sliding_window_size",
-            "only its TensorFlow path applies it: sequences longer than "
-            f"{window} tokens differ from keras-hub's on TensorFlow",
-        )
-    block = _llama_block(
-        config,
-        rope_scaling_factor=float(config["rope_scaling_factor"]),
-        key_dim=config["head_dim"],
-        normalize_qk=True,
-        qk_norm_epsilon=attention._query_dense_layer_norm.epsilon,
-    )
+    """Qwen3: LLaMA's block with QK-norm and a head width of its own
+    (`_hub_parts.qwen3_attention`)."""
+    block = llama_block(config, **qwen3_attention(config, backbone))
     config.get("tie_word_embeddings")  # read from the token table below
     return _llama_like(config, backbone, block, QWEN3_BLOCK)
 
 
-def _llama_block(config, **options):
-    return dict(
-        intermediate_dim=config["intermediate_dim"],
-        num_heads=config["num_query_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        dropout=config["dropout"],
-        activation="silu",
-        layer_norm_epsilon=config["layer_norm_epsilon"],
-        normalize_first=True,
-        normalization="rms_norm",
-        gated_feedforward=True,
-        use_bias=False,
-        rope_max_wavelength=float(config["rope_max_wavelength"]),
-        **options,
-    )
-
-
-def _llama_like(config, backbone, block, block_names):
-    """The spec and names of a LLaMA-like model: RMS norms, the token table
-    reversed as head, tied or with a head matrix of its own."""
-    tied = backbone.token_embedding.tie_weights
-    spec = DecoderLMSpec(
-        vocabulary_size=config["vocabulary_size"],
-        hidden_dim=config["hidden_dim"],
-        blocks=(block,) * config["num_layers"],
-        layer_norm_epsilon=config["layer_norm_epsilon"],
-        tie_weights=tied,
-        dtype=_dtype(backbone),
-    )
-    names = _block_names(config["num_layers"], block_names)
-    names += _pairs(
-        ("token_embedding/embeddings", "token_embedding/embeddings"),
-        ("final_norm/scale", "sequence_output_layernorm/scale"),
-    )
-    if not tied:
-        names += _pairs(
-            ("token_embedding/reverse_embeddings", "token_embedding/reverse_embeddings")
-        )
-    return spec, names
+def _llama_like(config, backbone, block, table):
+    count = config["num_layers"]
+    return llama_like(config, backbone, (block,) * count, block_names(count, table))
 
 
 def _gemma(config, backbone):
@@ -344,14 +298,14 @@ def _gemma(config, backbone):
         layer_norm_epsilon=backbone.layer_norm.epsilon,
         embedding_scale=float(np.sqrt(config["hidden_dim"])),
         final_logit_soft_cap=config["final_logit_soft_cap"],
-        dtype=_dtype(backbone),
+        dtype=dtype_of(backbone),
     )
     table = {
         **GEMMA_BLOCK,
         **(GEMMA_OUTPUT_NORMS if block["normalize_sublayer_outputs"] else {}),
     }
-    names = _block_names(config["num_layers"], table, "decoder_block_{}", _from_gemma)
-    names += _pairs(("token_embedding/embeddings", "token_embedding/embeddings"))
+    names = block_names(config["num_layers"], table, "decoder_block_{}", _from_gemma)
+    names += pairs(("token_embedding/embeddings", "token_embedding/embeddings"))
     names += [("final_norm/scale", "final_normalization/scale", _plus_one)]
     return spec, names
 
@@ -434,29 +388,6 @@ def _plus_one(value):
 # --- Helpers --------------------------------------------------------------------
 
 
-def _block_names(count, table, theirs="transformer_layer_{}", transform=None):
-    """`(our path, their path, transform)` for every block's weights."""
-    return [
-        (
-            f"transformer_layer_{i}/{ours}",
-            f"{theirs.format(i)}/{their}",
-            transform(ours) if transform else None,
-        )
-        for i in range(count)
-        for ours, their in table.items()
-    ]
-
-
-def _pairs(*pairs):
-    return [(ours, theirs, None) for ours, theirs in pairs]
-
-
-def _dtype(backbone):
-    """The backbone's one dtype policy (a `DTypePolicyMap` of several is
-    refused by `_backbone`)."""
-    return backbone.dtype_policy.name
-
-
 def _check_activation(config, activation, expected):
     name = getattr(activation, "__name__", activation)
     if name != expected:
@@ -470,4 +401,5 @@ _FAMILIES = {
     "MistralBackbone": _mistral,
     "GemmaBackbone": _gemma,
     "Qwen3Backbone": _qwen3,
+    **SPARSE_FAMILIES,
 }

@@ -13,6 +13,7 @@ import keras_attn
 from keras_attn.generation.prompts import check_positions
 from keras_attn.models import from_keras_hub
 from tests.helpers.backend import to_numpy
+from tests.helpers.keras_hub import hub_greedy, hub_logits, seeded_backbone
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -74,28 +75,7 @@ def hub_backbone(family, **overrides):
     """A small keras-hub backbone of `family` with random weights large
     enough that every option changes the logits."""
     cls, kwargs = FAMILIES[family]
-    keras.utils.set_random_seed(0)
-    backbone = getattr(keras_hub.models, cls)(**{**kwargs, **overrides})
-    rng = np.random.default_rng(1)
-    for weight in backbone.weights:
-        weight.assign(rng.normal(0.0, 0.3, weight.shape).astype("float32"))
-    return backbone
-
-
-def hub_logits(backbone, token_ids):
-    hidden = backbone({"token_ids": token_ids, "padding_mask": np.ones_like(token_ids)})
-    return to_numpy(backbone.token_embedding(hidden, reverse=True))
-
-
-def hub_greedy(backbone, prompt, new_tokens):
-    """A greedy loop over keras-hub's logits, one full pass per token on a
-    fixed-width array (causal: the zeros after the prefix change nothing)."""
-    width = prompt.shape[1] + new_tokens
-    tokens = np.zeros((len(prompt), width), "int32")
-    tokens[:, : prompt.shape[1]] = prompt
-    for t in range(prompt.shape[1], width):
-        tokens[:, t] = hub_logits(backbone, tokens)[:, t - 1].argmax(-1)
-    return tokens
+    return seeded_backbone(getattr(keras_hub.models, cls), {**kwargs, **overrides})
 
 
 def assert_same_logits(actual, expected):
