@@ -152,15 +152,16 @@ def get_layout_map(
     (`("model", None, None)`: a layout gives each mesh axis one dimension),
     the batch axis, or an axis of its own (whose devices then hold the same
     attention weights and repeat the rest of the model's work). The layout
-    places weights; it does not route tokens. XLA's SPMD partitioner
-    partitions the layer's computation around them: where the tokens are
-    whole on the expert axis (the model axis, or an axis of its own), each
-    device computes the experts it holds and one all-reduce (as after a
-    Megatron feed-forward network) sums the weighted expert outputs; where
-    the expert axis also splits the batch, XLA gathers what it needs (the
-    weights, or the tokens) with all-gathers rather than GShard's all-to-all
-    token exchange, so memory per device shrinks but the step moves more
-    data than an all-to-all implementation would.
+    places weights; it does not send tokens to their experts' devices (no
+    GShard all-to-all). XLA's SPMD partitioner partitions the layer's
+    grouped computation around it: in a JAX 0.10 training step on 8 CPU
+    devices, the token assignments were sorted over the whole batch (their
+    expert ids all-gathered over the batch axis) on every device, and the
+    blocks of sorted tokens took their experts' matrices from the shards
+    through all-reduces and collective permutes over the expert axis; no
+    all-to-all, no gather of whole expert weights. So expert parallelism
+    here divides the experts' weights and optimizer state among devices,
+    with tensor-parallel-like traffic; it does not divide the routing work.
 
     Two modes:
 
