@@ -152,16 +152,17 @@ def get_layout_map(
     (`("model", None, None)`: a layout gives each mesh axis one dimension),
     the batch axis, or an axis of its own (whose devices then hold the same
     attention weights and repeat the rest of the model's work). The layout
-    places weights; it does not send tokens to their experts' devices (no
-    GShard all-to-all). XLA's SPMD partitioner partitions the layer's
-    grouped computation around it: in a JAX 0.10 training step on 8 CPU
-    devices, the token assignments were sorted over the whole batch (their
-    expert ids all-gathered over the batch axis) on every device, and the
-    blocks of sorted tokens took their experts' matrices from the shards
-    through all-reduces and collective permutes over the expert axis; no
-    all-to-all, no gather of whole expert weights. So expert parallelism
-    here divides the experts' weights and optimizer state among devices,
-    with tensor-parallel-like traffic; it does not divide the routing work.
+    places weights; it does not send tokens to their experts' devices, and
+    XLA's SPMD partitioner partitions the layer's grouped computation around
+    it. In a JAX 0.10 training step on 8 CPU devices there was no
+    all-to-all (GShard's token exchange): every device sorted the token
+    assignments of the whole batch (their expert ids all-gathered over the
+    batch axis), and, experts over the model axis, the matrices of each
+    block of sorted tokens were taken from the shards and moved between
+    devices (collective permutes; there are more blocks than experts), then
+    partial results all-reduced. So expert parallelism here divides the
+    experts' weights and optimizer state among devices, at the cost of
+    moving weights in each step; it does not divide the routing work.
 
     Two modes:
 
