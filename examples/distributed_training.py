@@ -3,6 +3,8 @@
     python examples/distributed_training.py --backend jax --processes 2
     python examples/distributed_training.py --backend jax --processes 2 --strategy model
     python examples/distributed_training.py --backend jax --processes 2 --strategy fsdp
+    python examples/distributed_training.py --backend jax --processes 2 \
+        --strategy expert --num-experts 8
     python examples/distributed_training.py --backend tensorflow --processes 2
     python examples/distributed_training.py --backend torch --processes 2
 
@@ -18,7 +20,10 @@ and hands that share to its backend's engine, which combines the shares:
   DATAxMODEL`, Megatron style (`ModelParallel` with
   `keras_attn.distribution.get_layout_map`); `--strategy fsdp` also splits
   every weight, and Adam's moments, over the data axis
-  (`get_layout_map(..., shard_weights_over_batch=True)`).
+  (`get_layout_map(..., shard_weights_over_batch=True)`); `--strategy
+  expert`, with `--num-experts` (`MixtureOfExperts` feed-forward networks),
+  splits the experts over the model axis instead of their intermediate
+  units (`get_layout_map(..., expert_parallel_dim_name="model")`).
 - TensorFlow, `tf.distribute.MultiWorkerMirroredStrategy` (`--strategy data`),
   with a custom `strategy.run` step: Keras 3.15's `fit` fails under it for any
   model (keras-team/keras#20585).
@@ -65,7 +70,7 @@ import time
 
 BACKENDS = ("jax", "tensorflow", "torch")
 STRATEGIES = {
-    "jax": ("data", "model", "fsdp"),
+    "jax": ("data", "model", "fsdp", "expert"),
     "tensorflow": ("data",),
     "torch": ("data", "fsdp"),
 }
@@ -90,6 +95,13 @@ def parse_args(argv=None):
     parser.add_argument("--embedding-dim", type=int, default=64)
     parser.add_argument("--num-heads", type=int, default=8)
     parser.add_argument("--intermediate-dim", type=int, default=256)
+    parser.add_argument(
+        "--num-experts",
+        type=int,
+        default=0,
+        help="Each block's feed-forward network a MixtureOfExperts of this many "
+        "experts (2 per token) of --intermediate-dim units; 0: dense.",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -113,6 +125,8 @@ def parse_args(argv=None):
         parser.error(f"--mesh must look like 2x4. Received: --mesh={args.mesh}.")
     if len(args.mesh) != 2 or min(args.mesh) < 1 or args.processes < 1:
         parser.error("--mesh must be DATAxMODEL, e.g. 2x4, and --processes >= 1.")
+    if args.strategy == "expert" and args.num_experts < 1:
+        parser.error("--strategy expert splits experts: pass --num-experts.")
     return args
 
 
@@ -222,6 +236,11 @@ def build_model(args):
     decoder_input = keras.Input((None,), dtype="int32", name="decoder_input")
     embedding = dict(embedding_dim=args.embedding_dim, mask_zero=True)
     block = dict(intermediate_dim=args.intermediate_dim, num_heads=args.num_heads)
+    if args.num_experts:
+        experts = keras_attn.layers.MixtureOfExperts(
+            args.num_experts, args.intermediate_dim, top_k=2
+        )
+        block.update(intermediate_dim=None, feedforward=experts)
     x = keras_attn.SinusoidalEmbedding(
         vocabulary_size=VOCABULARY_SIZE, **embedding, name="source_embedding"
     )(source)
@@ -297,6 +316,10 @@ class JaxEngine:
         mesh = keras.distribution.DeviceMesh(args.mesh, ["batch", "model"], devices)
         if args.strategy == "model":  # Rules for keras_attn weights, by name.
             layout_map = keras_attn.distribution.get_layout_map(mesh)
+        elif args.strategy == "expert":  # Whole experts on each device.
+            layout_map = keras_attn.distribution.get_layout_map(
+                mesh, expert_parallel_dim_name="model"
+            )
         else:  # Exact rules for every weight, the Dense head's too.
             layout_map = keras_attn.distribution.get_layout_map(
                 mesh, model=build_model(args), shard_weights_over_batch=True

@@ -12,6 +12,7 @@ import keras
 
 _SPLIT = "<model axis>"  # Stands for `model_parallel_dim_name` below.
 _SHARD = "<batch axis>"  # `data_parallel_dim_name`, with `shard_weights_over_batch`.
+_EXPERT = "<expert axis>"  # `expert_parallel_dim_name`, when given.
 
 # Every keras_attn weight, by the end of its variable path: the axes of its
 # layout and what the split dimension counts. As in Megatron-LM (Shoeybi et al.
@@ -19,7 +20,12 @@ _SHARD = "<batch axis>"  # `data_parallel_dim_name`, with `shard_weights_over_ba
 # intermediate units) and the second over its inputs, so each attention and
 # feed-forward sublayer needs a single all-reduce. Fully sharded (ZeRO-3 / FSDP,
 # Rajbhandari et al. 2020), the batch axis also splits another dimension: the
-# model width where the weight has one.
+# model width where the weight has one. The stacked weights of
+# `MixtureOfExperts`, `(experts, ...)`, are split like the dense feed-forward
+# network's, each expert over its intermediate units; with an expert axis, also
+# over the experts (GShard, Lepikhin et al. 2020). A layout gives a mesh axis
+# to one dimension only: where two claim it, the first keeps it.
+_UNITS = "intermediate units"
 _WEIGHTS = (
     ("query/kernel", (_SHARD, _SPLIT, None), "heads"),
     ("query/bias", (_SPLIT, _SHARD), "heads"),
@@ -31,12 +37,28 @@ _WEIGHTS = (
     ("gate/bias", (_SPLIT, _SHARD), "heads"),
     ("attention_output/kernel", (_SPLIT, None, _SHARD), "heads"),
     ("attention_output/bias", (_SHARD,), None),
-    ("feedforward_intermediate_dense/kernel", (_SHARD, _SPLIT), "intermediate units"),
-    ("feedforward_intermediate_dense/bias", (_SPLIT,), "intermediate units"),
-    ("feedforward_gate_dense/kernel", (_SHARD, _SPLIT), "intermediate units"),
-    ("feedforward_gate_dense/bias", (_SPLIT,), "intermediate units"),
-    ("feedforward_output_dense/kernel", (_SPLIT, _SHARD), "intermediate units"),
-    ("feedforward_output_dense/bias", (_SHARD,), None),
+    *(
+        rule
+        for network in ("feedforward", "shared")  # dense; the shared experts
+        for rule in (
+            (f"{network}_intermediate_dense/kernel", (_SHARD, _SPLIT), _UNITS),
+            (f"{network}_intermediate_dense/bias", (_SPLIT,), _UNITS),
+            (f"{network}_gate_dense/kernel", (_SHARD, _SPLIT), _UNITS),
+            (f"{network}_gate_dense/bias", (_SPLIT,), _UNITS),
+            (f"{network}_output_dense/kernel", (_SPLIT, _SHARD), _UNITS),
+            (f"{network}_output_dense/bias", (_SHARD,), None),
+        )
+    ),
+    ("intermediate_kernel", (_EXPERT, _SHARD, _SPLIT), _UNITS),
+    ("gate_kernel", (_EXPERT, _SHARD, _SPLIT), _UNITS),
+    ("output_kernel", (_EXPERT, _SPLIT, _SHARD), _UNITS),
+    ("intermediate_bias", (_EXPERT, _SPLIT), _UNITS),
+    ("gate_bias", (_EXPERT, _SPLIT), _UNITS),
+    ("output_bias", (_EXPERT, _SHARD), None),
+    ("router/kernel", (_SHARD, None), None),
+    ("router/bias", (None,), None),
+    ("score_correction_bias", (None,), None),
+    ("expert_load", (None,), None),
     ("embeddings", (_SHARD, _SPLIT), "embedding width"),
     *(
         (f"{sublayer}_{norm}/{weight}", (_SHARD,), None)
@@ -58,6 +80,7 @@ def get_layout_map(
     *,
     model=None,
     shard_weights_over_batch=False,
+    expert_parallel_dim_name=None,
 ):
     """A `keras.distribution.LayoutMap` for Megatron-style tensor parallelism.
 
@@ -79,6 +102,15 @@ def get_layout_map(
     - `attention_output/bias`, `feedforward_output_dense/bias`, the layer
       and RMS norms (the sublayer output norms too) and the QK-norms:
       replicated, `(None,)`.
+    - `MixtureOfExperts` (a block's `feedforward`), whose experts are stacked
+      along a first dimension of E experts: each expert split like the dense
+      network, over its F intermediate units. `intermediate_kernel` and
+      `gate_kernel` `(E, D, F)`: `(None, None, "model")`; `output_kernel`
+      `(E, F, D)`: `(None, "model", None)`; `intermediate_bias` and
+      `gate_bias` `(E, F)`: `(None, "model")`; `output_bias` `(E, D)`
+      replicated. The shared experts (`shared_intermediate_dense`,
+      `shared_gate_dense`, `shared_output_dense`) as the dense network; the
+      `router`, `score_correction_bias` and `expert_load` replicated.
 
     Every keras_attn weight is matched by exactly one rule. Keras'
     `keras.layers.MultiHeadAttention` has the same sublayers and weights, so
@@ -111,13 +143,35 @@ def get_layout_map(
     split over the batch axis along their largest dimension that it divides;
     without `model` the batch axis must divide the dimensions above.
 
+    Expert parallelism (`expert_parallel_dim_name`, as GShard, Lepikhin et
+    al. 2020, places experts): the stacked expert weights are split over that
+    mesh axis along E, each device holding E / (axis size) whole experts;
+    `intermediate_kernel` becomes `("expert", None, "model")`, `output_kernel`
+    `("expert", "model", None)`, `output_bias` `("expert", None)`. The axis
+    may be the model axis, whose F split the expert split then replaces
+    (`("model", None, None)`: a layout gives each mesh axis one dimension),
+    the batch axis, or an axis of its own (whose devices then hold the same
+    attention weights and repeat the rest of the model's work). The layout
+    places weights; it does not send tokens to their experts' devices, and
+    XLA's SPMD partitioner partitions the layer's grouped computation around
+    it. In a JAX 0.10 training step on 8 CPU devices there was no
+    all-to-all (GShard's token exchange): every device sorted the token
+    assignments of the whole batch (their expert ids all-gathered over the
+    batch axis), and, experts over the model axis, the matrices of each
+    block of sorted tokens were taken from the shards and moved between
+    devices (collective permutes; there are more blocks than experts), then
+    partial results all-reduced. So expert parallelism here divides the
+    experts' weights and optimizer state among devices, at the cost of
+    moving weights in each step; it does not divide the routing work.
+
     Two modes:
 
     - Without `model` (the usual order: the layout map first, then the model
       created under the distribution), the keys are regular expressions on the
       ends of the weights' paths (`.*/query/kernel$`), which match whatever
       the layers are called. Every split dimension must then be divisible by
-      the model axis size (JAX raises when the weight is created otherwise).
+      the model axis size, and the experts E by the expert axis size (JAX
+      raises when the weight is created otherwise).
       Any `keras.layers.Embedding`'s `embeddings` is split like the token
       embeddings, and a weight of another kind of layer whose path ends like
       a rule (a `Dense` named `query`) would get its layout: use the `model`
@@ -126,7 +180,8 @@ def get_layout_map(
       keyed by their exact paths, and checked: the key/value projections of
       grouped-query attention whose key/value heads the model axis size does
       not divide are replicated; any other split dimension it does not divide
-      raises a `ValueError` naming the weight. Create the distributed model
+      raises a `ValueError` naming the weight, as do experts E that the
+      expert axis size does not divide. Create the distributed model
       with the same layer names: `keras.Model.from_config(model.get_config())`
       under the distribution's scope, or a builder that names its layers
       (generated names such as `transformer_encoder_1` change from one build
@@ -145,6 +200,10 @@ def get_layout_map(
         shard_weights_over_batch: bool. Whether to split every weight over
             `data_parallel_dim_name` too (fully sharded, FSDP style).
             Defaults to `False`.
+        expert_parallel_dim_name: str or `None`. A mesh axis the experts of
+            `MixtureOfExperts` layers are split over, along their expert
+            dimension; `None` splits each expert over the model axis only.
+            Defaults to `None`.
 
     Returns:
         A `keras.distribution.LayoutMap` on `device_mesh`.
@@ -177,27 +236,42 @@ def get_layout_map(
     ...     mesh, shard_weights_over_batch=True)
     >>> layout_map["translator/encoder/self_attention/query/kernel"].axes
     ('batch', 'model', None)
+
+    Experts split over the model axis (a mesh `(batch, expert, model)` and
+    `expert_parallel_dim_name="expert"` would split them over both):
+
+    >>> path = "lm/transformer_layer_0/feedforward/intermediate_kernel"
+    >>> keras_attn.distribution.get_layout_map(mesh)[path].axes
+    (None, None, 'model')
+    >>> layout_map = keras_attn.distribution.get_layout_map(
+    ...     mesh, expert_parallel_dim_name="model")
+    >>> layout_map[path].axes
+    ('model', None, None)
     """
-    sizes = _axis_sizes(device_mesh, model_parallel_dim_name, data_parallel_dim_name)
-    batch_dim = _fully_sharded_axis(shard_weights_over_batch, data_parallel_dim_name)
+    sizes = _axis_sizes(
+        device_mesh,
+        model_parallel_dim_name,
+        data_parallel_dim_name,
+        expert_parallel_dim_name,
+    )
+    names = {
+        _SPLIT: model_parallel_dim_name,
+        _SHARD: _fully_sharded_axis(shard_weights_over_batch, data_parallel_dim_name),
+        _EXPERT: expert_parallel_dim_name,
+    }
     rules = [
-        (
-            f".*/{re.escape(suffix)}$",
-            suffix,
-            _axes(axes, model_parallel_dim_name, batch_dim),
-            what,
-        )
+        (f".*/{re.escape(suffix)}$", suffix, axes, _axes(axes, names), what)
         for suffix, axes, what in _WEIGHTS
     ]
     layout_map = keras.distribution.LayoutMap(device_mesh)
     if model is None:
-        for pattern, _, axes, _ in rules:
+        for pattern, _, _, axes, _ in rules:
             layout_map[pattern] = axes
         return layout_map
     # `LayoutMap` matches keys as regexes, even `in`: keep track of the paths.
     paths = set()
     for variable in _built_weights(model):
-        axes = _weight_axes(variable, rules, sizes, batch_dim)
+        axes = _weight_axes(variable, rules, sizes, names[_SHARD])
         if axes is None:
             continue  # Not a keras_attn weight, and not fully sharded.
         if variable.path in paths:
@@ -212,7 +286,7 @@ def get_layout_map(
     return layout_map
 
 
-def _axis_sizes(device_mesh, model_dim, data_dim):
+def _axis_sizes(device_mesh, model_dim, data_dim, expert_dim):
     """Raise unless the axis names are the mesh's; the size of each axis."""
     if not isinstance(device_mesh, keras.distribution.DeviceMesh):
         raise TypeError(
@@ -234,6 +308,13 @@ def _axis_sizes(device_mesh, model_dim, data_dim):
             f"data_parallel_dim_name={data_dim!r}, model_parallel_dim_name="
             f"{model_dim!r}, device_mesh.axis_names={names}."
         )
+    if expert_dim is not None and expert_dim not in names:
+        raise ValueError(
+            "`expert_parallel_dim_name` must name an axis of `device_mesh` (the "
+            "model axis, the batch axis or another one), or be None. Received: "
+            f"expert_parallel_dim_name={expert_dim!r}, "
+            f"device_mesh.axis_names={names}."
+        )
     return dict(zip(names, device_mesh.shape, strict=True))
 
 
@@ -253,9 +334,13 @@ def _fully_sharded_axis(shard_weights_over_batch, data_dim):
     return data_dim if shard_weights_over_batch else None
 
 
-def _axes(axes, model_dim, batch_dim):
-    names = {_SPLIT: model_dim, _SHARD: batch_dim}
-    return tuple(names.get(axis, axis) for axis in axes)
+def _axes(template, names):
+    """A rule's mesh axes; each axis splits one dimension, the first claiming it
+    (experts over the model axis leave their intermediate units whole)."""
+    axes = []
+    for axis in (names.get(axis, axis) for axis in template):
+        axes.append(None if axis in axes else axis)
+    return tuple(axes)
 
 
 def _built_weights(model):
@@ -275,15 +360,8 @@ def _weight_axes(variable, rules, sizes, batch_dim):
         if batch_dim is None:
             return None
         return _largest_dimension_over(variable.shape, batch_dim, sizes[batch_dim])
-    _, _, axes, _ = rule
-    model_dim = next((axis for axis in axes if axis not in (None, batch_dim)), None)
-    axes = _checked_model_axes(variable, rule, model_dim, sizes.get(model_dim))
-    if batch_dim is None:
-        return axes
-    # Fully sharded: a dimension the batch axis does not divide stays whole.
     return tuple(
-        None if axis == batch_dim and size % sizes[batch_dim] else axis
-        for axis, size in zip(axes, variable.shape, strict=True)
+        _checked_axis(variable, rule, dim, sizes) for dim in range(len(rule[2]))
     )
 
 
@@ -297,23 +375,34 @@ def _largest_dimension_over(shape, batch_dim, batch_size):
     return tuple(batch_dim if i == largest else None for i in range(len(shape)))
 
 
-def _checked_model_axes(variable, rule, model_dim, axis_size):
-    """The rule's axes where the model axis divides the split dimension;
-    replicated over it for grouped-query key/value heads; a `ValueError`
-    otherwise."""
-    _, suffix, axes, what = rule
-    if model_dim is None:
-        return axes
-    dim = axes.index(model_dim)
-    size = variable.shape[dim]
-    if size % axis_size == 0:
-        return axes
-    if suffix in _REPLICATED_IF_INDIVISIBLE:
-        return tuple(None if axis == model_dim else axis for axis in axes)
+def _checked_axis(variable, rule, dim, sizes):
+    """The rule's axis for dimension `dim` where its size divides it. Where
+    not: whole for the fully sharded split and for grouped-query key/value
+    heads; a `ValueError` for any other split."""
+    _, suffix, template, axes, what = rule
+    axis, size = axes[dim], variable.shape[dim]
+    if axis is None or size % sizes[axis] == 0:
+        return axis
+    if template[dim] == _SHARD:
+        return None
+    if template[dim] == _SPLIT and suffix in _REPLICATED_IF_INDIVISIBLE:
+        return None
+    received = (
+        f"Received: weight '{variable.path}' of shape {tuple(variable.shape)}, "
+        f"whose dimension {dim} "
+    )
+    if template[dim] == _EXPERT:
+        raise ValueError(
+            f"`expert_parallel_dim_name` '{axis}' (size {sizes[axis]}) must "
+            "divide the experts of every MixtureOfExperts layer: expert "
+            f"parallelism splits them over it. {received}(experts) is {size}. "
+            f"Use an expert axis whose size divides {size}, or "
+            "`expert_parallel_dim_name=None` (each expert split over its "
+            "intermediate units instead)."
+        )
     raise ValueError(
-        f"The model axis '{model_dim}' (size {axis_size}) must divide the "
+        f"The model axis '{axis}' (size {sizes[axis]}) must divide the "
         f"{what} of every keras_attn layer: tensor parallelism splits them over "
-        f"it. Received: weight '{variable.path}' of shape "
-        f"{tuple(variable.shape)}, whose dimension {dim} ({what}) is {size}. "
+        f"it. {received}({what}) is {size}. "
         f"Use a model axis whose size divides {size}, or change the layer."
     )

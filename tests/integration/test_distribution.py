@@ -24,6 +24,7 @@ import pytest
 
 import keras_attn
 from keras_attn.distribution import get_layout_map
+from keras_attn.models import DecoderLMSpec, decoder_lm
 from tests.helpers.backend import BACKEND
 from tests.helpers.processes import ROOT, finish_process, start_process, stop_process
 
@@ -59,6 +60,51 @@ EXPECTED = {
     },
     "query_norm/scale": (None,),
     "key_norm/scale": (None,),
+    # MixtureOfExperts: E stacked experts, each split over its F units.
+    "intermediate_kernel": (None, None, "model"),  # (E, D, F)
+    "gate_kernel": (None, None, "model"),
+    "output_kernel": (None, "model", None),  # (E, F, D)
+    "intermediate_bias": (None, "model"),  # (E, F)
+    "gate_bias": (None, "model"),
+    "output_bias": (None, None),  # (E, D)
+    "router/kernel": (None, None),
+    "router/bias": (None,),
+    "score_correction_bias": (None,),
+    "expert_load": (None,),
+    "shared_intermediate_dense/kernel": (None, "model"),
+    "shared_intermediate_dense/bias": ("model",),
+    "shared_gate_dense/kernel": (None, "model"),
+    "shared_gate_dense/bias": ("model",),
+    "shared_output_dense/kernel": ("model", None),
+    "shared_output_dense/bias": (None,),
+}
+# The stacked expert weights split over an expert axis: the model axis itself
+# (whose F split it replaces), an axis of its own, or the batch axis.
+EXPERTS_OVER = {
+    "model": {
+        "intermediate_kernel": ("model", None, None),
+        "gate_kernel": ("model", None, None),
+        "output_kernel": ("model", None, None),
+        "intermediate_bias": ("model", None),
+        "gate_bias": ("model", None),
+        "output_bias": ("model", None),
+    },
+    "expert": {
+        "intermediate_kernel": ("expert", None, "model"),
+        "gate_kernel": ("expert", None, "model"),
+        "output_kernel": ("expert", "model", None),
+        "intermediate_bias": ("expert", "model"),
+        "gate_bias": ("expert", "model"),
+        "output_bias": ("expert", None),
+    },
+    "batch": {  # Fully sharded: the batch axis splits E, so D stays whole.
+        "intermediate_kernel": ("batch", None, "model"),
+        "gate_kernel": ("batch", None, "model"),
+        "output_kernel": ("batch", "model", None),
+        "intermediate_bias": ("batch", "model"),
+        "gate_bias": ("batch", "model"),
+        "output_bias": ("batch", None),
+    },
 }
 KEY_VALUE = re.compile(r".*/(key|value)/(kernel|bias)")
 
@@ -71,18 +117,47 @@ def expected_axes(path):
     return EXPECTED[end]
 
 
-def fake_mesh(model_axis, data_axis=1):
-    """A mesh for building layout maps (no array is placed on its devices)."""
-    devices = [f"cpu:{i}" for i in range(data_axis * model_axis)]
-    return keras.distribution.DeviceMesh(
-        (data_axis, model_axis), ["batch", "model"], devices=devices
+def fake_mesh(model_axis, data_axis=1, expert_axis=None):
+    """A mesh for building layout maps (no array is placed on its devices):
+    `(batch, model)`, or `(batch, expert, model)` with an `expert_axis`."""
+    shape = (data_axis, model_axis)
+    names = ["batch", "model"]
+    if expert_axis is not None:
+        shape, names = (
+            (data_axis, expert_axis, model_axis),
+            ["batch", "expert", "model"],
+        )
+    devices = [f"cpu:{i}" for i in range(int(np.prod(shape)))]
+    return keras.distribution.DeviceMesh(shape, names, devices=devices)
+
+
+def experts(num_experts=4, intermediate_dim=8):
+    """A MixtureOfExperts with every kind of weight: biases, a router bias,
+    DeepSeek's score correction, a shared expert."""
+    return keras_attn.layers.MixtureOfExperts(
+        num_experts,
+        intermediate_dim,
+        top_k=2,
+        use_bias=True,
+        router="sigmoid",
+        use_router_bias=True,
+        use_score_correction_bias=True,
+        num_shared_experts=1,
+        name="feedforward",
     )
 
 
 def encoder_decoder(
-    num_key_value_heads=None, heads=HEADS, width=WIDTH, names=(), use_gate=False
+    num_key_value_heads=None,
+    heads=HEADS,
+    width=WIDTH,
+    names=(),
+    use_gate=False,
+    sparse=None,
 ):
-    """Embeddings, an encoder, a cross-attending decoder, a Dense head.
+    """Embeddings, an encoder, a cross-attending decoder, a Dense head; with
+    `sparse` (a MixtureOfExperts), a decoder block with it as its feed-forward
+    network before the head.
 
     The layers are named, so that every build has the same variable paths.
     """
@@ -106,6 +181,9 @@ def encoder_decoder(
     x = keras_attn.TransformerEncoder(**block, name=names["encoder"])(x)
     y = keras_attn.SinusoidalEmbedding(**embedding, name=names["target"])(target)
     y = keras_attn.TransformerDecoder(**block, name=names["decoder"])(y, x)
+    if sparse is not None:
+        block.update(intermediate_dim=None, feedforward=sparse)
+        y = keras_attn.TransformerDecoder(**block, name="sparse_decoder")(y)
     logits = keras.layers.Dense(VOCAB, name="logits")(y)
     return keras.Model([source, target], logits, name="translator")
 
@@ -120,8 +198,30 @@ def batch():
     return (source, target[:, :-1]), target[:, 1:]
 
 
-def train(model, initial_weights, fit=False):
-    """`STEPS` SGD steps on `batch()` from `initial_weights`; the losses.
+def sparse_lm():
+    """A decoder-only language model: one pre-norm block whose feed-forward
+    network is `experts()`."""
+    block = dict(
+        intermediate_dim=None,
+        num_heads=HEADS,
+        normalization="rms_norm",
+        normalize_first=True,
+        rope_max_wavelength=10000.0,
+        feedforward=keras.saving.serialize_keras_object(experts()),
+    )
+    spec = DecoderLMSpec(vocabulary_size=VOCAB, hidden_dim=WIDTH, blocks=(block,))
+    return decoder_lm(spec, name="sparse_lm")
+
+
+def lm_batch():
+    """Fixed token ids and their next tokens."""
+    tokens = np.random.default_rng(1).integers(1, VOCAB, (BATCH, TARGET_LENGTH + 1))
+    return tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
+
+
+def train(model, initial_weights, fit=False, data=None):
+    """`STEPS` SGD steps on `data` (`batch()` by default) from
+    `initial_weights`; the losses.
 
     `train_on_batch`, or `fit` (one batch per epoch), which is what splits the
     batch over the replicas of a `tf.distribute` strategy.
@@ -131,7 +231,7 @@ def train(model, initial_weights, fit=False):
         optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    inputs, labels = batch()
+    inputs, labels = data or batch()
     if fit:
         history = model.fit(
             inputs, labels, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0
@@ -152,7 +252,7 @@ def keras_attn_weights(model):
 
 
 def test_every_keras_attn_weight_matches_exactly_one_rule():
-    model = encoder_decoder(use_gate=True)
+    model = encoder_decoder(use_gate=True, sparse=experts())
     layout_map = get_layout_map(fake_mesh(4))
     for weight in model.weights:
         matches = [key for key in layout_map if re.fullmatch(key, weight.path)]
@@ -185,7 +285,7 @@ def modern_decoder(use_bias=True):
 
 
 def test_every_rule_matches_one_kind_of_weights():
-    weights = keras_attn_weights(encoder_decoder(use_gate=True))
+    weights = keras_attn_weights(encoder_decoder(use_gate=True, sparse=experts()))
     weights += modern_decoder().weights
     output_norms = keras_attn.TransformerDecoder(
         INTERMEDIATE, HEADS, normalize_sublayer_outputs=True, name="output_norms"
@@ -365,6 +465,39 @@ LAYOUT_ROWS = [
         r"whose dimension 1 \(intermediate units\) is 10",
         id="model-intermediate-units-indivisible",
     ),
+    pytest.param(
+        {"expert_parallel_dim_name": "expert"},
+        ValueError,
+        r"`expert_parallel_dim_name` must name an axis of `device_mesh`.*"
+        r"Received: expert_parallel_dim_name='expert', "
+        r"device_mesh.axis_names=\['batch', 'model'\]",
+        id="expert_parallel_dim_name",
+    ),
+    pytest.param(
+        {
+            "model": lambda: encoder_decoder(sparse=experts(num_experts=6)),
+            "device_mesh": lambda: fake_mesh(4),
+            "expert_parallel_dim_name": "model",
+        },
+        ValueError,
+        r"`expert_parallel_dim_name` 'model' \(size 4\) must divide the "
+        r"experts .* Received: weight "
+        r"'sparse_decoder/feedforward/intermediate_kernel' of shape "
+        r"\(6, 16, 8\), whose dimension 0 \(experts\) is 6\. Use an "
+        r"expert axis whose size divides 6, or `expert_parallel_dim_name=None`",
+        id="model-experts-indivisible",
+    ),
+    pytest.param(
+        {
+            "model": lambda: encoder_decoder(sparse=experts(intermediate_dim=6)),
+            "device_mesh": lambda: fake_mesh(4),
+        },
+        ValueError,
+        r"The model axis 'model' \(size 4\) .* Received: weight "
+        r"'sparse_decoder/feedforward/intermediate_kernel' of shape "
+        r"\(4, 16, 6\), whose dimension 2 \(intermediate units\) is 6",
+        id="model-expert-intermediate-units-indivisible",
+    ),
 ]
 
 
@@ -384,6 +517,42 @@ def test_mesh_with_a_model_axis_only():
     assert layout.axes == ("tensor", None, None)
 
 
+# Expert parallelism: the stacked expert weights split over an expert axis.
+# name: (mesh, expert axis, fully sharded).
+EXPERT_MESHES = {
+    "model": (lambda: fake_mesh(2, 2), "model", False),
+    "expert": (lambda: fake_mesh(2, 2, expert_axis=2), "expert", False),
+    "batch": (lambda: fake_mesh(2, 2), "batch", True),
+}
+
+
+@pytest.mark.parametrize("axis", EXPERT_MESHES)
+@pytest.mark.parametrize("exact", [False, True], ids=["regex", "model"])
+def test_experts_split_over_an_expert_axis(axis, exact):
+    make_mesh, expert_axis, fully_sharded = EXPERT_MESHES[axis]
+    model = encoder_decoder(use_gate=True, sparse=experts())
+    layout_map = get_layout_map(
+        make_mesh(),
+        model=model if exact else None,
+        shard_weights_over_batch=fully_sharded,
+        expert_parallel_dim_name=expert_axis,
+    )
+    split = 0
+    for weight in keras_attn_weights(model):
+        end = weight.path.split("/")[-1]
+        if end in EXPERTS_OVER[axis]:
+            expected = EXPERTS_OVER[axis][end]
+            split += 1
+        elif fully_sharded:
+            expected = fully_sharded_axes(weight.path)
+            if exact and end == "embeddings":  # 13 rows stay whole.
+                expected = (None, "model")
+        else:
+            expected = expected_axes(weight.path)
+        assert layout_map[weight.path].axes == expected, weight.path
+    assert split == 6
+
+
 # Fully sharded (`shard_weights_over_batch=True`): the batch axis also splits
 # the model width, or the head size of projection biases and the rows of
 # token embeddings; written out independently of keras_attn/distribution.py.
@@ -401,6 +570,22 @@ FULLY_SHARDED = {
     "feedforward_output_dense/bias": ("batch",),
     "embeddings": ("batch", "model"),
     **{end: ("batch",) for end, axes in EXPECTED.items() if axes == (None,)},
+    # The experts' model width; their own E-sized weights stay whole.
+    "intermediate_kernel": (None, "batch", "model"),
+    "gate_kernel": (None, "batch", "model"),
+    "output_kernel": (None, "model", "batch"),
+    "intermediate_bias": (None, "model"),
+    "gate_bias": (None, "model"),
+    "output_bias": (None, "batch"),
+    "router/kernel": ("batch", None),
+    "router/bias": (None,),
+    "score_correction_bias": (None,),
+    "expert_load": (None,),
+    "shared_intermediate_dense/kernel": ("batch", "model"),
+    "shared_intermediate_dense/bias": ("model",),
+    "shared_gate_dense/kernel": ("batch", "model"),
+    "shared_gate_dense/bias": ("model",),
+    "shared_output_dense/kernel": ("model", "batch"),
 }
 
 
@@ -411,7 +596,7 @@ def fully_sharded_axes(path):
 
 def test_fully_sharded_rules_split_every_weight_over_the_batch_axis_too():
     layout_map = get_layout_map(fake_mesh(2, 2), shard_weights_over_batch=True)
-    weights = keras_attn_weights(encoder_decoder(use_gate=True))
+    weights = keras_attn_weights(encoder_decoder(use_gate=True, sparse=experts()))
     for weight in weights + modern_decoder().weights:
         assert layout_map[weight.path].axes == fully_sharded_axes(weight.path)
     assert layout_map["translator/logits/kernel"] is None  # Not keras_attn's.
@@ -558,6 +743,37 @@ def test_model_trained_in_parallel_loads_on_one_device(jax_run):
     )
 
 
+# Experts over 8 devices: name: (mesh shape, axis names, expert axis).
+SPARSE_RUNS = {
+    "experts_over_model": ((2, 4), ["batch", "model"], "model"),
+    "experts_and_units": ((2, 2, 2), ["batch", "expert", "model"], "expert"),
+}
+
+
+@pytest.mark.processes
+@JAX_ONLY
+@pytest.mark.parametrize("name", SPARSE_RUNS)
+def test_experts_split_over_devices_train_like_one_device(jax_run, name):
+    """`fit` with `expert_parallel_dim_name`: each device holds its experts
+    (and, on a mesh of 3 axes, its share of their units), and training gives
+    the numbers of one device."""
+    _, results, arrays = jax_run
+    sparse = results["sparse"]
+    assert_same_training(sparse, arrays, name, reference="sparse_single")
+    losses = sparse["sparse_single"]["losses"]
+    assert losses[-1] < losses[0]
+    expected = EXPERTS_OVER[SPARSE_RUNS[name][2]]
+    split = 0
+    for path, spec in sparse[name]["specs"].items():
+        end = path.split("/")[-1]
+        if end in expected:
+            assert spec == list(expected[end]), path
+            split += 1
+        elif "/router/" in path:
+            assert spec == [None] * len(spec), path
+    assert split == 6  # The stacked weights.
+
+
 @pytest.mark.processes
 @pytest.mark.skipif(
     BACKEND != "tensorflow",
@@ -619,6 +835,8 @@ def jax_on_8_devices(out):
         results["single"]["losses"][-1] < results["single"]["losses"][0]
     )
     results["grouped_query"] = grouped_query_on(mesh)
+    results["sparse"], sparse_arrays = sparse_on_8_devices()
+    arrays.update(sparse_arrays)
     (out / "results.json").write_text(json.dumps(results))
     np.savez(out / "arrays.npz", **arrays)
 
@@ -642,6 +860,34 @@ def grouped_query_on(mesh):
         "specs": {w.path: spec(w) for w in model.weights},
         "max_difference": float(np.max(np.abs(predictions - expected))),
     }
+
+
+def sparse_on_8_devices():
+    """`sparse_lm` trained by `fit` on one device, then with its experts split
+    over each mesh of `SPARSE_RUNS`."""
+    keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(2)
+    initial = to_numpy(sparse_lm().weights)
+    results, arrays = {}, {}
+    for name in ["sparse_single", *SPARSE_RUNS]:
+        distribution = None
+        if name in SPARSE_RUNS:
+            shape, axes, expert_axis = SPARSE_RUNS[name]
+            mesh = keras.distribution.DeviceMesh(shape, axes)
+            layout_map = get_layout_map(mesh, expert_parallel_dim_name=expert_axis)
+            distribution = keras.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch"
+            )
+        keras.distribution.set_distribution(distribution)
+        model = sparse_lm()
+        results[name] = {
+            "losses": train(model, initial, fit=True, data=lm_batch()),
+            "specs": {w.path: spec(w) for w in model.weights},
+        }
+        arrays.update({f"{name}/{i}": w for i, w in enumerate(to_numpy(model.weights))})
+    results["paths"] = [w.path for w in model.weights]
+    keras.distribution.set_distribution(None)
+    return results, arrays
 
 
 def tensorflow_on_2_devices(out):

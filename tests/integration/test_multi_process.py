@@ -6,7 +6,8 @@ through 127.0.0.1, each feeding its share of every global batch:
 
 - JAX (in the JAX run): `keras.distribution` over 2 processes of 4 CPU devices
   each (gloo): `DataParallel` on 8 devices, `ModelParallel` on a 2 x 4 mesh,
-  and fully sharded weights; the example is its own launcher.
+  fully sharded weights, and `MixtureOfExperts` blocks with their experts
+  split over the model axis; the example is its own launcher.
 - TensorFlow (in its run): `MultiWorkerMirroredStrategy`, 2 workers.
 - PyTorch (in its run): `torchrun --nproc_per_node=2`, DDP and FSDP2.
 
@@ -41,6 +42,7 @@ TINY = [
 TIMEOUT = 420  # Seconds for all the runs of a backend, started together.
 FLOAT64 = "--dtype=float64"
 KEY_BIAS = re.compile(r".*/key/bias")
+EXPERTS = "--num-experts=4"  # One per device of the model axis (4).
 
 
 def start(out, *args):
@@ -73,6 +75,8 @@ RUNS = {
         "data32": ("launcher", "--processes=2", "--strategy=data"),
         "model": ("launcher", "--processes=2", "--strategy=model", FLOAT64),
         "fsdp": ("launcher", "--processes=2", "--strategy=fsdp", FLOAT64),
+        "sparse": ("launcher", "--processes=1", "--mesh=1x1", EXPERTS, FLOAT64),
+        "expert": ("launcher", "--processes=2", "--strategy=expert", EXPERTS, FLOAT64),
     },
     "tensorflow": {
         "single": ("launcher", "--processes=1", FLOAT64),
@@ -191,6 +195,26 @@ def test_jax_model_saved_across_processes_predicts_the_same_on_one_device(runs):
         atol=1e-5,
     )
     assert int(model.optimizer.iterations) == 3  # Its optimizer state came along.
+
+
+# The stacked expert weights and their Adam moments.
+EXPERT_KERNEL = re.compile(r".*feedforward[/_](intermediate|gate|output)_kernel.*")
+
+
+@only("jax")
+@JAX_FLOAT64
+def test_jax_experts_split_over_two_processes_train_like_one(runs):
+    """`--strategy expert`: each device of the model axis, across the two
+    processes, holds one of the 4 experts."""
+    results = assert_trains_like_one_process(runs, "expert", reference="sparse")
+    whole = result(runs, "sparse")[0]["bytes_on_a_device"]
+    split = {
+        path: size
+        for path, size in results["bytes_on_a_device"].items()
+        if EXPERT_KERNEL.fullmatch(path)
+    }
+    assert len(split) >= 3 * 2 * 3  # 3 kernels (with moments), 2 blocks.
+    assert all(size == whole[path] // 4 for path, size in split.items()), split
 
 
 @only("tensorflow")
