@@ -12,12 +12,12 @@ import keras
 from keras_attn.layers._machinery import all_layers, quantized_layers
 from keras_attn.models.decoder_lm import spec_of
 from keras_attn.models.hugging_face._config import HFConfig
-from keras_attn.models.hugging_face._families import read_family
 from keras_attn.models.hugging_face._files import (
     as_dtype,
     checked_new_folder,
     write_checkpoint,
 )
+from keras_attn.models.hugging_face._registry import read_family
 from keras_attn.models.hugging_face._writers import WRITERS, resolved
 
 # The families tried, simplest first, when `model_type` is not given
