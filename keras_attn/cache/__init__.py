@@ -7,7 +7,9 @@ objects that are passed (to `MultiHeadAttention`, the decoder blocks'
 - `Int8Cache`: the same slots, keys and values in int8 with a float32 scale
   per token and head, dequantized inside the step that reads them;
 - `RollingCache`: a sliding window's sinks and ring of `window` slots, over
-  either of them.
+  either of them;
+- `LatentCache`: multi-head latent attention's compressed latent and shared
+  rotary key per position (`MultiHeadLatentAttention`).
 
 Each is a named tuple of tensors, so a cache travels through `jax.jit`,
 `tf.function`, `keras.ops.while_loop` and `torch.export` as those trees
@@ -22,16 +24,23 @@ heads, window, sinks) is read from their shapes. They share a few members:
 - `mask(index, count, real, window, sinks)`: which slots the queries at
   `index, ..., index + count - 1` see (written, causal, real tokens only,
   the layer's sliding window and attention sinks);
+- `grown(size)`: the cache padded to `size` slots (a decoding's segments;
+  not the rolling cache, which keeps its window);
 - `length` (slots) and `nbytes` (memory).
+
+The latent cache's `update` and `read` take and give its latent and rotary
+key instead of keys and values; the other members are the same.
 """
 
 from keras_attn.cache.dense import DenseCache
 from keras_attn.cache.int8 import Int8Cache, quantize
+from keras_attn.cache.latent import LatentCache
 from keras_attn.cache.rolling import RollingCache
 
 __all__ = [
     "DenseCache",
     "Int8Cache",
+    "LatentCache",
     "RollingCache",
     "as_cache",
     "empty_cache",

@@ -41,6 +41,11 @@ class Linear:
         in `linear_mask`."""
         return linear_mask(index, count, self.length, real, window, sinks)
 
+    def grown(self, size):
+        """The cache with every tensor padded with zeros to `size` slots."""
+        widths = [[0, 0], [0, 0], [0, 0], [0, size - self.length], [0, 0]]
+        return type(self)(*(ops.pad(t, widths) for t in self))
+
 
 def write(buffer, keys, values, index, in_place=True):
     """`keys` and `values` `(B, n, K, X)` written into `buffer` at slots

@@ -98,7 +98,7 @@ class ModelAdapter:
         """Caches and key mask padded to `size` positions (zeros, not padding);
         rolling caches keep their window."""
         caches = [
-            cache if rolls else keras.tree.map_structure(_grown(size), cache)
+            cache if rolls else cache.grown(size)
             for cache, rolls in zip(state["caches"], self.rolling, strict=True)
         ]
         return {**state, "caches": caches, "keys": pad_to(state["keys"], size, True)}
@@ -125,7 +125,7 @@ class ModelAdapter:
         """Embedding, decoders and head on new tokens at `index`."""
         start = index - state["pads"]  # (B,): each row's first new position
         positions = None  # the rotary positions, for decoders that rotate
-        if any(layer.rope_max_wavelength for layer in self.plan.decoders):
+        if any(_rotates(layer) for layer in self.plan.decoders):
             positions = start[:, None] + ops.arange(token_ids.shape[1], dtype="int32")
         x = self._embed(token_ids, start, calls)
         masks, caches = {}, []  # a mask per kind of cache, made once a step
@@ -140,7 +140,7 @@ class ModelAdapter:
                 mask = _mask(masks, cache, layer, index, token_ids.shape[1], state)
                 x, cache = layer.decode_unchecked(
                     x, cache, index,
-                    positions=positions if layer.rope_max_wavelength else None,
+                    positions=positions if _rotates(layer) else None,
                     mask=mask,
                     cross_cache=state["cross"].get(str(decoder)),
                     cross_mask=state.get("source_mask"),
@@ -169,6 +169,12 @@ class ModelAdapter:
         return embedding.call_unchecked(token_ids, start, table=table, calls=calls)
 
 
+def _rotates(decoder):
+    """Whether a decoder's self-attention rotates its queries and keys (its
+    own sublayer's option: a block's, or a custom self-attention's)."""
+    return decoder.self_attention.rope_max_wavelength is not None
+
+
 def _mask(masks, cache, layer, index, count, state):
     """The cache slots a decoder's new tokens see (`cache.mask`), made once
     a step for every cache of one kind (class, slots, window, sinks)."""
@@ -177,10 +183,6 @@ def _mask(masks, cache, layer, index, count, state):
     if kind not in masks:
         masks[kind] = cache.mask(index, count, state["keys"], window, sinks)
     return masks[kind]
-
-
-def _grown(size):
-    return lambda tensor: pad_to(tensor, size, 0, axis=3)
 
 
 class FunctionAdapter:

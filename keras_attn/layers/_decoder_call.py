@@ -80,7 +80,8 @@ def check_decoder_call(layer, args):
         (batch, layer.num_heads, target, keys),
         "(batch, num_heads, target_length, key_length)",
     )
-    check_positions(args.positions, batch, target, layer.rope_max_wavelength)
+    wavelength = layer.self_attention.rope_max_wavelength  # the block's, or its own
+    check_positions(args.positions, batch, target, wavelength)
     _check_segment_ids(args, batch, target)
     if layer._has_cross_attention:
         _check_cross_attention(layer, args, batch, target)
@@ -120,7 +121,11 @@ def _check_self_attention_cache(layer, args, batch, target):
         )
     if cache is None:
         return target
-    check_cache(layer.self_attention, cache, batch, "self_attention_cache")
+    own_check = getattr(layer.self_attention, "check_cache", None)  # its own cache
+    if own_check is not None:
+        own_check(cache, batch, "self_attention_cache")
+    else:
+        check_cache(layer.self_attention, cache, batch, "self_attention_cache")
     length = cache_length(cache)
     check_index("self_attention_cache_update_index", index, target, length)
     return length

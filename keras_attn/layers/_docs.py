@@ -149,9 +149,9 @@ rope_scaling: dict, keyword only. Hugging Face's `rope_scaling`, as
     `rope_scaling_factor=f`), `{"rope_type": "dynamic", "factor": f}`
     (static NTK-aware scaling), `{"rope_type": "yarn", "factor": f,
     "original_max_position_embeddings": n}` (and optionally
-    `beta_fast`, `beta_slow`, `truncate`) or `{"rope_type": "llama3",
-    "factor": f, "low_freq_factor": l, "high_freq_factor": h,
-    "original_max_position_embeddings": n}`; see
+    `beta_fast`, `beta_slow`, `truncate`, `attention_factor`) or
+    `{"rope_type": "llama3", "factor": f, "low_freq_factor": l,
+    "high_freq_factor": h, "original_max_position_embeddings": n}`; see
     `keras_attn.ops.rotary_embedding`. Needs `rope_max_wavelength`;
     not with `rope_scaling_factor`. Saved with its defaults filled
     in. Defaults to `None`.

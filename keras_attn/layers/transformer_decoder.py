@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_attn.layers import _attention_cache
+from keras_attn.layers import _attention_cache, _self_attention
 from keras_attn.layers._attention_cache import cache_length
 from keras_attn.layers._block import TransformerBlock, to_bool
 from keras_attn.layers._decoder_call import DecoderCall, check_decoder_call
@@ -44,6 +44,14 @@ class TransformerDecoder(TransformerBlock):
             Defaults to `None`.
         {attention_sinks}
         {block_options}
+        self_attention: optional `keras_attn.layers.MultiHeadLatentAttention`
+            (or its `keras.saving.serialize_keras_object` dict), keyword
+            only: the self-attention, instead of a `MultiHeadAttention` of
+            the block's options. The block builds a clone of it named
+            `self_attention`, and refuses the rotary, sliding-window and
+            sink options (the layer has its own) and, without an encoder,
+            the other attention options, which nothing would read.
+            `num_heads` must be the layer's. Defaults to `None`.
 
     Call arguments (keras-hub's order; the ones after `use_causal_mask`,
     `training` and `return_attention_scores` are keras_attn's own):
@@ -118,18 +126,19 @@ class TransformerDecoder(TransformerBlock):
     (2, 4, 16)
     """
 
+    def __init__(
+        self, intermediate_dim, num_heads, *args, self_attention=None, **kwargs
+    ):
+        super().__init__(intermediate_dim, num_heads, *args, **kwargs)
+        self._self_attention = _self_attention.resolve(self, self_attention)
+
     def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
         self._check_width("decoder_sequence", decoder_sequence_shape)
         (
             self.self_attention,
             self.self_attention_layer_norm,
             self.self_attention_output_norm,
-        ) = self._build_attention(
-            "self_attention",
-            decoder_sequence_shape,
-            window=self.sliding_window,
-            sinks=self.attention_sinks,
-        )
+        ) = self._build_self_attention(decoder_sequence_shape, encoder_sequence_shape)
         self._has_cross_attention = encoder_sequence_shape is not None
         if self._has_cross_attention:
             (
@@ -141,6 +150,22 @@ class TransformerDecoder(TransformerBlock):
             )
         self._build_feedforward(decoder_sequence_shape, norm_first=False)
         self.built = True
+
+    def _build_self_attention(self, shape, encoder_sequence_shape):
+        """The block's `MultiHeadAttention`, or a clone of its own
+        `self_attention` layer; with their norms."""
+        if self._self_attention is None:
+            return self._build_attention(
+                "self_attention",
+                shape,
+                window=self.sliding_window,
+                sinks=self.attention_sinks,
+            )
+        if encoder_sequence_shape is None:
+            _self_attention.refuse_cross_options(self)
+        attention = _self_attention.build(self, self._self_attention, shape)
+        norm = self._build_norm("self_attention_layer_norm", shape)
+        return attention, norm, self._build_output_norm("self_attention", shape)
 
     def call(
         self,
@@ -372,6 +397,11 @@ class TransformerDecoder(TransformerBlock):
         if self_attention_cache is not None:
             outputs += [_attention_cache.spec(c) for c in caches]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def get_config(self):
+        config = super().get_config()
+        config["self_attention"] = _self_attention.config_of(self._self_attention)
+        return config
 
     def _cross_spec(self, args, batch):
         """The number of cross-attention keys and the cross cache's spec."""

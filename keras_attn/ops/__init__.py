@@ -20,6 +20,7 @@ from keras_attn.ops.positions import (
     rotary_embedding,
     segment_positions,
     sinusoidal_position_encoding,
+    yarn_mscale,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "segment_positions",
     "sinusoidal_position_encoding",
     "sliding_window_mask",
+    "yarn_mscale",
 ]

@@ -40,6 +40,9 @@ ROPE_SCALING_KEYS = {
         "original_max_position_embeddings": None,
     },
 }
+# Keys a `scaling` dict may give that have no fixed default: when absent, the
+# scaling computes them (YaRN's factor of cos and sin: `0.1 ln(factor) + 1`).
+ROPE_SCALING_COMPUTED_KEYS = {"yarn": ("attention_factor",)}
 
 
 def sinusoidal_position_encoding(
@@ -179,12 +182,14 @@ def rotary_embedding(
       divided by `f**(D / (D - 2))`. Static: unlike Hugging Face's dynamic
       NTK, it does not change with the sequence length.
     - `{"rope_type": "yarn", "factor": f, "original_max_position_embeddings":
-      n, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}` (the last
-      three optional, with these defaults): YaRN (Peng et al. 2023) as
-      keras-hub's `RotaryEmbedding(rope_type="yarn")`, the frequencies
-      ramped between interpolated and original over the channels between the
-      corrections of `beta_fast` and `beta_slow` rotations, and cos and sin
-      multiplied by `0.1 * ln(f) + 1`.
+      n, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+      "attention_factor": a}` (the last four optional, with these defaults):
+      YaRN (Peng et al. 2023) as keras-hub's `RotaryEmbedding(rope_type=
+      "yarn")` and transformers' `"yarn"`, the frequencies ramped between
+      interpolated and original over the channels between the corrections
+      of `beta_fast` and `beta_slow` rotations, and cos and sin multiplied
+      by `a`, by default `0.1 * ln(f) + 1` (DeepSeek-V3's `mscale` ratio
+      gives another: transformers' `attention_factor`).
     - `{"rope_type": "llama3", "factor": f, "low_freq_factor": l,
       "high_freq_factor": h, "original_max_position_embeddings": n}`: Llama
       3.1's adjustment as keras-hub's `LlamaRotaryEmbedding`: wavelengths
@@ -273,6 +278,25 @@ def rotary_frequencies(max_wavelength, dim, scaling_factor=1.0, scaling=None):
     return values, factor
 
 
+def yarn_mscale(factor, mscale=1.0):
+    """YaRN's magnitude factor `0.1 * mscale * ln(factor) + 1`, `1.0` for a
+    `factor` of at most 1 (transformers' and DeepSeek-V3's `get_mscale`).
+
+    YaRN multiplies cos and sin by `yarn_mscale(factor)`; DeepSeek-V3 by
+    `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)` (the
+    rotary scaling's `attention_factor`), and multiplies its softmax scale
+    by `yarn_mscale(factor, mscale_all_dim) ** 2` (the attention's
+    `attention_scale`: `head_dim ** -0.5` times that).
+
+    Example:
+    >>> round(keras_attn.ops.yarn_mscale(40.0, 1.0), 6)
+    1.368888
+    >>> keras_attn.ops.yarn_mscale(0.5, 1.0)
+    1.0
+    """
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _linear(values, base, dim, scaling):
     return [v / scaling["factor"] for v in values], 1.0
 
@@ -288,7 +312,8 @@ def _yarn(values, base, dim, scaling):
     """YaRN as keras-hub's `RotaryEmbedding`: channel pair `i` takes
     `ramp * v / f + (1 - ramp) * v`, the ramp rising from 0 to 1 between the
     channels where `beta_fast` and `beta_slow` rotations fit the original
-    context; cos and sin scaled by `0.1 ln f + 1`."""
+    context; cos and sin scaled by `attention_factor`, by default
+    `0.1 ln f + 1`."""
     factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
 
     def correction(rotations):  # the channel of `rotations` turns in the context
@@ -303,7 +328,7 @@ def _yarn(values, base, dim, scaling):
     span = max(high - low, 0.001)  # keras-hub's guard against a zero span
     ramps = [min(max((i - low) / span, 0.0), 1.0) for i in range(dim // 2)]
     values = [r * v / factor + (1 - r) * v for v, r in zip(values, ramps, strict=True)]
-    return values, 0.1 * math.log(factor) + 1.0
+    return values, scaling.get("attention_factor", yarn_mscale(factor))
 
 
 def _llama3(values, base, dim, scaling):
@@ -353,16 +378,18 @@ def check_rope_scaling(scaling, name, scaling_factor=1.0, factor_name=None):
         raise ValueError(
             f"`{name}['rope_type']` must be {expected}. Received: {name}={scaling!r}."
         )
-    _check_keys(scaling, name, ROPE_SCALING_KEYS[rope_type])
+    _check_keys(scaling, name, ROPE_SCALING_KEYS[rope_type], ROPE_SCALING_COMPUTED_KEYS)
     return _checked_values(
         {"rope_type": rope_type, **ROPE_SCALING_KEYS[rope_type], **scaling}, name
     )
 
 
-def _check_keys(scaling, name, keys):
+def _check_keys(scaling, name, keys, computed):
     """Raise unless `scaling` has every key its `rope_type` requires (the
-    `None`s of `keys`), and no key `keys` lacks."""
+    `None`s of `keys`), and no key that neither `keys` nor `computed` (keys
+    by `rope_type`) has."""
     required = [key for key, default in keys.items() if default is None]
+    keys = [*keys, *computed.get(scaling["rope_type"], ())]
     unknown = [key for key in scaling if key != "rope_type" and key not in keys]
     missing = [key for key in required if key not in scaling]
     if not (unknown or missing):

@@ -135,29 +135,6 @@ REFUSED = {
         dict(partial_rotary_factor=0.5),
         "partial_rotary_factor=0.5: keras_attn rotates every channel",
     ),
-    "DeepSeek's yarn mscale ratio": (
-        "llama",
-        dict(
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=1e4,
-                factor=4.0,
-                original_max_position_embeddings=16,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-            )
-        ),
-        r"YaRN scales cos and sin by 0.1 ln\(factor\) \+ 1 .* asks for 1.0 with",
-    ),
-    "a yarn attention factor of its own": (
-        "llama",
-        dict(
-            rope_parameters=dict(
-                rope_type="yarn", rope_theta=1e4, factor=4.0, attention_factor=1.5
-            )
-        ),
-        "asks for 1.5 with factor 4.0",
-    ),
     "an unknown rope key": (
         "llama",
         dict(rope_parameters={**LINEAR_ROPE, "low_freq_factor": 1.0}),
@@ -273,6 +250,18 @@ SCALED_ROPE = {
         rope_parameters=dict(
             rope_type="yarn", rope_theta=1e4, factor=4.0,
             original_max_position_embeddings=8, beta_fast=8.0, beta_slow=1.0,
+        ),
+    ),
+    "yarn with DeepSeek's mscale ratio": dict(
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=1e4, factor=4.0,
+            original_max_position_embeddings=8, mscale=0.7, mscale_all_dim=1.0,
+        ),
+    ),
+    "yarn with an attention factor of its own, untruncated": dict(
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=1e4, factor=4.0, attention_factor=1.5,
+            original_max_position_embeddings=8, beta_fast=8.0, truncate=False,
         ),
     ),
     # Phi-3's layout: transformers prefers the length beside the dict.
@@ -413,3 +402,58 @@ def test_a_dtype_that_is_not_a_float_policy_is_refused(dtype, saved, no_weight_r
         match=rf"`dtype` must be None .* Received: dtype={re.escape(repr(dtype))}\.",
     ):
         from_hugging_face(saved["llama"][0], dtype=dtype)
+
+
+# The YaRN settings of released checkpoints (head width 64 in both):
+# gpt-oss's and DeepSeek-V3's (`mscale` equal to `mscale_all_dim`: no factor
+# on cos and sin, the attention's scale takes it), and a ratio other than 1.
+YARN_RELEASED = {
+    "gpt-oss": dict(
+        factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=4096, rope_theta=150000.0,
+    ),
+    "DeepSeek-V3": dict(
+        factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+        original_max_position_embeddings=4096, rope_theta=10000.0,
+    ),
+    "DeepSeek's mscale 0.7": dict(
+        factor=40.0, beta_fast=32, beta_slow=1, mscale=0.7, mscale_all_dim=1.0,
+        original_max_position_embeddings=4096, rope_theta=10000.0,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", YARN_RELEASED)
+def test_yarn_of_released_checkpoints_rotates_as_transformers(case):
+    """Our reading of each YaRN config rotates as transformers'
+    `ROPE_INIT_FUNCTIONS["yarn"]` (its inverse frequencies and its factor of
+    cos and sin, applied as its rotary layers apply them, in float32)."""
+    from keras_attn.models.hugging_face._config import HFConfig
+    from keras_attn.models.hugging_face._rope import rope_options
+    from keras_attn.ops import rotary_embedding
+
+    rope = dict(rope_type="yarn", **YARN_RELEASED[case])
+    sizes = dict(hidden_size=128, num_attention_heads=2, head_dim=64)
+    config = transformers.LlamaConfig(
+        **sizes, max_position_embeddings=131072, rope_parameters=dict(rope)
+    )
+    init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"]
+    inverse_frequency, factor = init(config, "cpu")
+    positions = torch.tensor([0.0, 1.0, 5.0, 63.0, 200.0, 1000.0])
+    angles = positions[:, None] * inverse_frequency[None, :]  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)[None, :, None, :]
+    x = np.random.default_rng(0).uniform(-1, 1, (1, 6, 3, 64)).astype("float32")
+    x_t = torch.from_numpy(x)
+    rotated = torch.cat([-x_t[..., 32:], x_t[..., :32]], dim=-1)
+    theirs = x_t * angles.cos() * factor + rotated * angles.sin() * factor
+
+    ours = rope_options(
+        HFConfig(dict(model_type="llama", **sizes, rope_parameters=rope))
+    )
+    y = rotary_embedding(
+        x, positions.numpy(), ours["rope_max_wavelength"], scaling=ours["rope_scaling"]
+    )
+    np.testing.assert_allclose(to_numpy(y), theirs.numpy(), atol=2e-5)
+    ratio = (0.07 * np.log(40) + 1) / (0.1 * np.log(40) + 1)  # mscale 0.7
+    expected = {"gpt-oss": 0.1 * np.log(32) + 1, "DeepSeek-V3": 1.0}
+    assert factor == pytest.approx(expected.get(case, ratio))

@@ -238,8 +238,14 @@ def test_rope_scaling_is_filled_in_as_a_plain_dict():
         ({"type": "linear", "rope_type": "linear", "factor": 2.0}, {}, ValueError,
          r"unknown keys \['type'\]"),
         ({"rope_type": "yarn", "factor": 2.0}, {}, ValueError,
-         r"optionally \['beta_fast', 'beta_slow', 'truncate'\].*"
-         r"missing keys \['original_max_position_embeddings'\]"),
+         r"optionally \['beta_fast', 'beta_slow', 'truncate', 'attention_factor'\]"
+         r".*missing keys \['original_max_position_embeddings'\]"),
+        ({**YARN, "attention_factor": 0.0}, {}, ValueError,
+         r"`scaling\['attention_factor'\]` must be positive"),
+        ({**YARN, "attention_scale": 1.0}, {}, ValueError,
+         r"unknown keys \['attention_scale'\]"),
+        ({"rope_type": "llama3", "factor": 2.0, "attention_factor": 1.0}, {},
+         ValueError, r"unknown keys \['attention_factor'\]"),
         ({"rope_type": "dynamic", "factor": 0.0}, {}, ValueError,
          r"`scaling\['factor'\]` must be positive. Received: scaling\['factor'\]=0.0"),
         ({**YARN, "original_max_position_embeddings": -4}, {}, ValueError,
@@ -255,6 +261,7 @@ def test_rope_scaling_is_filled_in_as_a_plain_dict():
     ],
     ids=[
         "unknown-type", "no-type", "missing-factor", "unknown-key", "yarn-missing",
+        "attention-factor-0", "yarn-unknown", "llama3-attention-factor",
         "factor-0", "original-negative", "beta-negative", "llama3-bands",
         "truncate-str", "not-a-dict", "with-scaling-factor",
     ],

@@ -3,7 +3,7 @@
 (transformers 5, per layer type for Gemma 3) or `rope_theta` with
 `rope_scaling` (transformers 4)."""
 
-import math
+from keras_attn.ops.positions import yarn_mscale
 
 # Keys of each scaling type that we compute, beside `rope_type` and
 # `rope_theta` (transformers' names are ours).
@@ -104,25 +104,24 @@ def _scaling(config, rope_type, params):
 
 
 def _yarn(config, params):
-    """YaRN as transformers computes it; refused where its cos/sin factor is
-    not `0.1 ln(factor) + 1` (DeepSeek's `mscale` ratios: not yet ours)."""
+    """YaRN as transformers' `_compute_yarn_parameters` computes it: the
+    factor of cos and sin is the config's `attention_factor`, else
+    DeepSeek-V3's ratio `mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim)` where both are given, else `0.1 ln(factor) + 1` (ours by
+    default, so then left out); `1.0` for a factor of at most 1. (DeepSeek's
+    softmax scale, multiplied by `mscale(factor, mscale_all_dim)**2`, is the
+    attention's `attention_scale`, not the rope's.)"""
     factor = params.get("factor")
     original = params["original_max_position_embeddings"]
     if factor is None:
         factor = config["max_position_embeddings"] / original
-    ours = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    theirs = params.get("attention_factor")
+    attention_factor = params.get("attention_factor")
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-    if theirs is None and mscale and mscale_all:
-        theirs = _mscale(factor, mscale) / _mscale(factor, mscale_all)
-    if (theirs is not None and abs(theirs - ours) > 1e-12) or factor <= 1:
-        config.refuse(
-            "rope_parameters",
-            "keras_attn's YaRN scales cos and sin by 0.1 ln(factor) + 1 with a "
-            f"factor over 1; this config asks for {theirs} with factor {factor}.",
-            params,
-        )
-    return {
+    if attention_factor is None and mscale and mscale_all:
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    elif attention_factor is None:
+        attention_factor = yarn_mscale(factor, 1.0)
+    scaling = {
         "rope_type": "yarn",
         "factor": float(factor),
         "original_max_position_embeddings": int(original),
@@ -130,7 +129,6 @@ def _yarn(config, params):
         "beta_slow": float(params.get("beta_slow") or 1.0),
         "truncate": bool(params.get("truncate", True)),
     }
-
-
-def _mscale(factor, mscale):
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+    if attention_factor != yarn_mscale(factor):
+        scaling["attention_factor"] = float(attention_factor)
+    return scaling
