@@ -3,8 +3,6 @@ blocks with `MixtureOfExperts` feed-forwards (DeepSeek-V3's with latent
 attention too), each config read into a `DecoderLMSpec` and its tensors
 linked, every number from `config.json`."""
 
-import math
-
 import keras
 
 from keras_attn.layers.mixture_of_experts import MixtureOfExperts
@@ -21,6 +19,7 @@ from keras_attn.models.hugging_face._families import (
 )
 from keras_attn.models.hugging_face._links import BIAS, LINEAR, OUTPUT_LINEAR, link
 from keras_attn.models.hugging_face._rope import rope_options
+from keras_attn.ops.positions import yarn_mscale
 
 # Our expert variables and the names of one expert's matrices in the
 # per-expert checkpoints (Mixtral's w1/w3/w2; Qwen3-MoE's and DeepSeek's
@@ -280,7 +279,7 @@ def _latent_attention(config):
         rope_max_wavelength=rope["rope_max_wavelength"],
         rope_scaling=rope.get("rope_scaling"),
         rope_interleave=bool(config.get("rope_interleave", True)),
-        attention_scale=_latent_scale(rope.get("rope_scaling"), scale**-0.5),
+        attention_scale=_latent_scale(config, scale**-0.5),
         norm_epsilon=float(config["rms_norm_eps"]),
         use_bias=bool(config.get("attention_bias", False)),
         dropout=_attention_dropout(config),
@@ -292,15 +291,16 @@ def _latent_attention(config):
     return keras.saving.serialize_keras_object(layer)
 
 
-def _latent_scale(scaling, scale):
+def _latent_scale(config, scale):
     """DeepSeek's softmax scale: with YaRN's `mscale_all_dim`, `scale`
-    times `(0.1 mscale_all_dim ln(factor) + 1)^2` (transformers'
-    `yarn_apply_mscale`, for factors above 1)."""
-    scaling = scaling or {}
-    mscale, factor = scaling.get("mscale_all_dim"), scaling.get("factor", 1.0)
-    if not mscale or factor <= 1:
+    times `yarn_mscale(factor, mscale_all_dim)^2` (transformers'
+    `yarn_apply_mscale`; the rotary scaling read it already)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    mscale = params.get("mscale_all_dim")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default" or not mscale:
         return scale
-    return scale * (0.1 * mscale * math.log(factor) + 1.0) ** 2
+    return scale * yarn_mscale(params["factor"], mscale) ** 2
 
 
 def _deepseek_links(ours, theirs, block):
