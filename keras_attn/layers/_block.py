@@ -15,7 +15,7 @@ from keras_attn._checks import (
     check_width,
     get_keras_object,
 )
-from keras_attn.layers import _int8, _lean_call
+from keras_attn.layers import _feedforward, _int8, _lean_call
 from keras_attn.layers._attention_call import check_scores_allowed
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._lean_call import activate, call_sublayer
@@ -62,13 +62,16 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         normalize_sublayer_outputs=False,
         qk_norm_epsilon=None,
         use_feedforward_bias=None,
+        feedforward=None,
         **kwargs,
     ):
         num_heads = check_positive_int("num_heads", num_heads)
         dropout = check_rate("dropout", dropout)
         options = AttentionOptions.take(kwargs, num_heads, dropout)
         super().__init__(**kwargs)
-        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
+        self.intermediate_dim = check_positive_int(
+            "intermediate_dim", intermediate_dim, allow_none=True
+        )
         self.num_heads, self.dropout = num_heads, dropout
         self.activation = get_keras_object(
             "activation", keras.activations.get, activation
@@ -97,15 +100,28 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             "use_feedforward_bias", use_feedforward_bias, allow_none=True
         )
         options.apply(self)
+        self._feedforward = _feedforward.resolve(
+            self,
+            feedforward,
+            self.intermediate_dim,
+            self.gated_feedforward,
+            self.use_feedforward_bias,
+        )
         self.supports_masking = True
 
     def _check_width(self, name, shape):
         check_rank(name, shape, 3, "(batch, length, width)")
         if self.built:
-            check_width(name, shape, self.feedforward_output_dense.units)
+            check_width(name, shape, self._built_width())
         width = shape[-1]
         check_heads_divide(self.num_heads, self.key_dim, width, "input")
         return width
+
+    def _built_width(self):
+        """The input width the block was built for."""
+        if self.feedforward is not None:
+            return self.feedforward.intermediate_kernel.shape[1]
+        return self.feedforward_output_dense.units
 
     def _check_sequence(self, name, tensor, return_attention_scores):
         """The block's input: a float `(batch, length, width)` of the built width."""
@@ -180,6 +196,25 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             self.feedforward_layer_norm = self._build_norm(
                 "feedforward_layer_norm", shape
             )
+        self._build_feedforward_network(shape)
+        if not norm_first:
+            self.feedforward_layer_norm = self._build_norm(
+                "feedforward_layer_norm", shape
+            )
+        self.feedforward_output_norm = self._build_output_norm("feedforward", shape)
+        self._dropout_layer = keras.layers.Dropout(
+            self.dropout, dtype=leaf_dtype(self, "dropout"), name="dropout"
+        )
+
+    def _build_feedforward_network(self, shape):
+        """The feed-forward matrices, or (with `feedforward`) a clone of the
+        block's own layer named `feedforward` and no matrices."""
+        self.feedforward = None
+        if self._feedforward is not None:
+            self.feedforward = _feedforward.build(self, self._feedforward, shape)
+            self.feedforward_intermediate_dense = None
+            self.feedforward_gate_dense = self.feedforward_output_dense = None
+            return
         self.feedforward_intermediate_dense = self._dense(
             "feedforward_intermediate_dense", self.intermediate_dim, shape
         )
@@ -190,14 +225,6 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             )
         self.feedforward_output_dense = self._dense(
             "feedforward_output_dense", shape[-1], (*shape[:-1], self.intermediate_dim)
-        )
-        if not norm_first:
-            self.feedforward_layer_norm = self._build_norm(
-                "feedforward_layer_norm", shape
-            )
-        self.feedforward_output_norm = self._build_output_norm("feedforward", shape)
-        self._dropout_layer = keras.layers.Dropout(
-            self.dropout, dtype=leaf_dtype(self, "dropout"), name="dropout"
         )
 
     def _dense(self, name, units, input_shape):
@@ -240,9 +267,19 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         """`W_2 activation(W_1 x + b_1) + b_2`, or gated `W_2 (activation(W_g x)
         * W_1 x)` (SwiGLU with silu, GeGLU with gelu), with its residual.
         `calls`: how sublayers are called (`call_sublayer`, or a decoding's
-        `SublayerCalls`)."""
+        `SublayerCalls`). With `feedforward`, that layer instead of the
+        matrices (in training with the training flag, so that it adds its
+        losses)."""
         norm = self.feedforward_layer_norm
         hidden = calls(norm, x) if self.normalize_first else x
+        if self.feedforward is not None:
+            if training:
+                output = call_sublayer(self.feedforward, hidden, training=True)
+            else:
+                output = calls(self.feedforward, hidden)
+            return self._add_residual(
+                x, output, (norm, self.feedforward_output_norm), training, calls
+            )
         intermediate = calls(self.feedforward_intermediate_dense, hidden)
         if self.gated_feedforward:
             gate = activate(self.activation, calls(self.feedforward_gate_dense, hidden))
@@ -289,8 +326,11 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         Adapters on the query, key, value, output (and gate) projections of
         every attention sublayer and on both feed-forward matrices; every other
         weight (kernels, biases, layer norms) is frozen, so only the adapters
-        train. Saving merges the adapters into the kernels (Keras' behaviour):
-        a reloaded model has the same outputs and no adapters.
+        train. With a `feedforward` layer (`MixtureOfExperts`, whose experts
+        Keras' LoRA does not reach), the adapters are on the attention
+        projections only, and the whole feed-forward layer is frozen. Saving
+        merges the adapters into the kernels (Keras' behaviour): a reloaded
+        model has the same outputs and no adapters.
 
         Args:
             {lora_arguments}
@@ -303,8 +343,12 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         12
         """
         targets = [t for a in self._attention_layers() for t in a._lora_targets()]
-        targets += [self.feedforward_intermediate_dense, self.feedforward_output_dense]
-        targets += [self.feedforward_gate_dense] if self.gated_feedforward else []
+        if self.feedforward is None:
+            targets += [
+                self.feedforward_intermediate_dense,
+                self.feedforward_output_dense,
+            ]
+            targets += [self.feedforward_gate_dense] if self.gated_feedforward else []
         enable_lora(self, targets, rank, lora_alpha, a_initializer, b_initializer)
 
     def get_config(self):
@@ -326,6 +370,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
                 "normalize_sublayer_outputs": self.normalize_sublayer_outputs,
                 "qk_norm_epsilon": self.qk_norm_epsilon,
                 "use_feedforward_bias": self.use_feedforward_bias,
+                "feedforward": _feedforward.config_of(self._feedforward),
                 **AttentionOptions.config_of(self),
                 "dtype": dtype_config(self),
             }

@@ -8,7 +8,8 @@ import re
 import textwrap
 
 BLOCK_ARGUMENTS = """\
-intermediate_dim: int. Hidden width of the feed-forward network.
+intermediate_dim: int. Hidden width of the feed-forward network; `None`
+    with `feedforward`.
 num_heads: int. Number of attention heads; must divide the input width
     unless `key_dim` is given.
 dropout: float in [0, 1). Dropout on the attention weights, the
@@ -75,6 +76,13 @@ rope_scaling: dict, keyword only. Hugging Face's `rope_scaling`
     its keys), computed as keras-hub's rotary layers compute it; see
     `keras_attn.ops.rotary_embedding`. Needs `rope_max_wavelength`, not
     with `rope_scaling_factor`. Defaults to `None`.
+feedforward: optional `keras_attn.layers.MixtureOfExperts` (or its
+    `keras.saving.serialize_keras_object` dict), keyword only: the
+    feed-forward network, instead of the block's matrices. The block
+    builds a clone of it named `feedforward` (no `feedforward_*_dense`),
+    keeps its own `feedforward_layer_norm`, residual, output norm and
+    dropout, and refuses `gated_feedforward` and `use_feedforward_bias`
+    (the layer has its own). Defaults to `None`.
 attention_scale: float, keyword only. The multiplier of the
     query-key logits (Gemma: `(width / num_heads) ** -0.5`). Defaults
     to `None`, `1 / sqrt(key_dim)`.

@@ -9,6 +9,7 @@ kernel runs, and why) and `kernels` (explicit, chunked, fused).
 """
 
 from keras_attn.ops.attention import dot_product_attention
+from keras_attn.ops.experts import ExpertWeights, expert_feedforward
 from keras_attn.ops.masks import (
     alibi_bias,
     causal_mask,
@@ -24,9 +25,11 @@ from keras_attn.ops.positions import (
 )
 
 __all__ = [
+    "ExpertWeights",
     "alibi_bias",
     "causal_mask",
     "dot_product_attention",
+    "expert_feedforward",
     "merge_attention_masks",
     "rotary_embedding",
     "segment_mask",

@@ -252,3 +252,32 @@ def test_hugging_face_load_smoke_run_measures_each_step_in_its_own_process(tmp_p
         cells += [r"-?\d+\.\d\dx"] * 2 + [r"[+-]\d+\.\d\d"]
         cells += [r"[\d,]+\.\d"] * 2 + [r"-?[\d,]+\.\d", r"\d+\.\d"]
         assert re.search(r"\| " + r" \| ".join(cells) + r" \|\n", text), step
+
+
+@pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="the script is the same on every backend (PyTorch's eager run is the "
+    "shortest); its runs per backend are its results "
+    "(benchmarks/results/mixture_of_experts_*.md)",
+)
+def test_mixture_of_experts_smoke_run_writes_each_contender_against_dense(tmp_path):
+    """`benchmarks/mixture_of_experts.py` at tiny sizes: a row per step and
+    contender, each with its time and its ratio to the dense network."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "mixture_of_experts.py")]
+    command += ["--tokens", "24", "--width", "8", "--hidden", "12", "--experts", "3"]
+    command += ["--calls", "1", "--blocks", "2", "--results", str(tmp_path)]
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = (tmp_path / "mixture_of_experts_torch.md").read_text()
+    assert "OMP_NUM_THREADS=1" in text
+    names = ["dense, active parameters", "grouped, plan (blocks, block 8)"]
+    names += ["grouped (blocks, block 2)", "loop over experts"]
+    names += ["all experts (keras-hub)"]
+    for step in ("forward", "train step"):
+        for name in names:
+            row = rf"\| {step} \| {re.escape(name)} \| \d+\.\d \| \d+\.\d\dx \|"
+            assert re.search(row, text), (step, name)
+        assert f"| {step} | dense, active parameters | " in text
