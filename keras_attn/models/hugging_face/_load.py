@@ -81,7 +81,7 @@ def from_hugging_face(path, dtype=None):
             "policy ('mixed_bfloat16')."
         )
     model = decoder_lm(spec, name=f"{config.family}_keras_attn")
-    shapes = {v.path: tuple(v.shape) for v in model.weights}
+    shapes = {v.path: tuple(v.shape) for v in model.weights if not _state(v)}
     names = _resolve(links, shapes, checkpoint, mtp_layers(config))
     _check_tied_copy(links, names, checkpoint)
     _assign(links, names, {v.path: v for v in model.weights}, checkpoint)
@@ -159,6 +159,12 @@ def _resolve(links, shapes, checkpoint, unread=()):
             + ". Nothing was loaded."
         )
     return names
+
+
+def _state(variable):
+    """Whether `variable` is state a step computes, which no checkpoint holds
+    (`MixtureOfExperts.expert_load`: the last call's tokens per expert)."""
+    return variable.path.endswith("/expert_load")
 
 
 def _check_links(links, shapes):

@@ -222,6 +222,7 @@ def _deepseek_v3(config, dtype):
     choice) plus shared experts."""
     for key in ("head_dim", "qk_head_dim"):  # derived from the head widths
         config.get(key)
+    config.get("num_nextn_predict_layers")  # their tensors skipped: `mtp_layers`
     attention = _latent_attention(config)
     experts = _experts(
         config,
