@@ -176,3 +176,13 @@ def test_deepseek_multi_token_prediction_layers_are_skipped(folders, tmp_path):
     edit_tensors(folder, lambda tensors: tensors.update({extra: np.ones(8, "float32")}))
     model = from_hugging_face(folder)
     assert_same_logits(to_numpy(model(TOKENS)), transformers_logits(reference, TOKENS))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_to_hugging_face_refuses_sparse_blocks_before_writing(
+    family, folders, tmp_path
+):
+    model = from_hugging_face(folders[family][0])
+    with pytest.raises(ValueError, match="transformer_layer_.*mixture of experts"):
+        keras_attn.models.to_hugging_face(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -30,8 +30,14 @@ def from_hugging_face(path, dtype=None):
 
     Families (`model_type`): `gpt2`, `llama` (2, 3, 3.1's rope scaling, 3.2's
     tied head), `mistral`, `qwen2` (2 and 2.5), `qwen3`, `gemma`, `gemma2`,
-    `gemma3_text`, `phi3`, `smollm3`. Rotary scaling: linear, llama3, yarn;
-    dynamic NTK, longrope and partial rotary factors are refused.
+    `gemma3_text`, `phi3`, `smollm3`, and the sparse ones: `mixtral`,
+    `qwen3_moe`, `gpt_oss` (sink logits, clamped SwiGLU experts) and
+    `deepseek_v3` (latent attention, grouped sigmoid routing, shared
+    experts; its multi-token-prediction layers are skipped, as transformers
+    skips them), whose feed-forward networks are
+    `keras_attn.layers.MixtureOfExperts`. Rotary scaling: linear, llama3,
+    yarn (gpt-oss's and DeepSeek's `mscale` included); dynamic NTK, longrope
+    and partial rotary factors are refused.
 
     Args:
         path: str or os.PathLike. The checkpoint folder.
