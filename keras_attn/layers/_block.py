@@ -148,6 +148,7 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
             options.update(
                 rope_max_wavelength=None, rope_scaling_factor=1.0, rope_scaling=None
             )
+            options.update(use_sink_logits=False)  # gpt-oss's, self-attention's
         attention = MultiHeadAttention(
             num_heads=self.num_heads,
             dropout=self.dropout,

@@ -86,6 +86,9 @@ feedforward: optional `keras_attn.layers.MixtureOfExperts` (or its
 attention_scale: float, keyword only. The multiplier of the
     query-key logits (Gemma: `(width / num_heads) ** -0.5`). Defaults
     to `None`, `1 / sqrt(key_dim)`.
+use_sink_logits: bool, keyword only. A learned sink logit per head in
+    self-attention (gpt-oss): see `keras_attn.MultiHeadAttention`; not
+    with `flash_attention=True`. Defaults to `False`.
 **kwargs: Base layer arguments (`name`, `dtype`, ...).
 """
 
@@ -119,8 +122,8 @@ sliding_window: int >= 1. Query `i` attends only to keys `j` with
 flash_attention: `None` (fused kernels where they compute the same,
     none after `keras.config.disable_flash_attention()`, as in Keras'
     layer), `True` (require a fused kernel, whatever Keras' switch
-    says: raises with `dropout`,
-    `logit_soft_cap`, `return_attention_scores=True`, and where the
+    says: raises with `dropout`, `logit_soft_cap`,
+    `use_sink_logits`, `return_attention_scores=True`, and where the
     backend has none for the inputs; on PyTorch, any of torch's
     fused kernels, not its composite one) or `False` (always the explicit
     path, in chunks for long sequences). Defaults to `None`.
@@ -184,6 +187,15 @@ attention_sinks: int >= 1, keyword only, with `sliding_window`. Key
     keys the padding mask masks out) does not count: a left-padded
     row's sinks are its first real keys; with `segment_ids`, each
     segment's first keys. Defaults to `None`.
+use_sink_logits: bool, keyword only. A learned logit `s_h` per head
+    (the weight `sink_logits`, `(num_heads,)`, initialized to zeros)
+    joins each query row's softmax denominator and is then dropped, as
+    gpt-oss's attention sinks (not StreamingLLM's `attention_sinks`):
+    weights `exp(l_ij) / (sum_j' exp(l_ij') + exp(s_h))`, in float32,
+    so a row may attend to almost nothing. It runs on the explicit path
+    (no fused kernel takes it; not with `flash_attention=True`);
+    returned scores are the weights of the real keys (rows sum to less
+    than 1). Defaults to `False`.
 **kwargs: Base layer arguments (`name`, `dtype`, ...).
 """
 

@@ -37,6 +37,7 @@ class AttentionOptions:
     rope_scaling: dict | None = None
     attention_scale: float | None = None
     attention_sinks: int | None = None
+    use_sink_logits: bool = False
 
     @classmethod
     def names(cls):
@@ -91,6 +92,7 @@ class AttentionOptions:
             attention_sinks=check_positive_int(
                 "attention_sinks", options.attention_sinks, allow_none=True
             ),
+            use_sink_logits=check_bool("use_sink_logits", options.use_sink_logits),
         )
         options._check_together(dropout)
         return options
@@ -127,6 +129,12 @@ class AttentionOptions:
             refuse_flash(
                 fused_limits(logit_soft_cap=self.logit_soft_cap),
                 f"logit_soft_cap={self.logit_soft_cap}",
+                advice="Pass flash_attention=None.",
+            )
+        if self.flash_attention and self.use_sink_logits:
+            refuse_flash(
+                fused_limits(sink_logits=True),
+                "use_sink_logits=True",
                 advice="Pass flash_attention=None.",
             )
 

@@ -1,6 +1,7 @@
 """The attention projections on Keras' `EinsumDense` (W_Q, W_K, W_V, the gate
-and W_O; int8 contractions padded for XLA, `_int8`) and the per-head QK-norms,
-built for a `MultiHeadAttention`; the heads they make, rotated by RoPE."""
+and W_O; int8 contractions padded for XLA, `_int8`), the per-head QK-norms and
+the sink logits, built for a `MultiHeadAttention`; the heads they make,
+rotated by RoPE."""
 
 import keras
 
@@ -46,6 +47,21 @@ def build_sublayers(layer, query_width, key_width, value_width):
         seed=layer.seed,
         dtype=leaf_dtype(layer, "dropout"),
         name="dropout",
+    )
+    layer.sink_logits = sink_weight(layer) if layer.use_sink_logits else None
+
+
+def sink_weight(layer):
+    """gpt-oss's learned sink logit per query head, `sink_logits`
+    `(num_heads,)`, zeros (each sink starts as one more key of logit 0), in
+    the layer's variable dtype; converters map gpt-oss's `self_attn.sinks`
+    to it by that name. Not a projection: quantization and LoRA leave it as
+    it is (LoRA freezes it with the other weights)."""
+    return layer.add_weight(
+        name="sink_logits",
+        shape=(layer.num_heads,),
+        initializer="zeros",
+        dtype=layer.variable_dtype,
     )
 
 

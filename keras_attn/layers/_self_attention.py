@@ -16,6 +16,7 @@ _SELF_ONLY = (
     "rope_scaling",
     "sliding_window",
     "attention_sinks",
+    "use_sink_logits",
 )
 
 

@@ -247,6 +247,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             logit_soft_cap=self.logit_soft_cap,
             scale=self.attention_scale,
             segment_ids=None if call.segments is None else (call.segments,) * 2,
+            sink_logits=self.sink_logits,
         )  # fmt: skip
         scores = None
         if call.return_attention_scores:
@@ -287,6 +288,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             heads_major=True,
             logit_soft_cap=self.logit_soft_cap,
             scale=self.attention_scale,
+            sink_logits=self.sink_logits,
         )  # fmt: skip
         if self.use_gate:
             context = context * project(self.gate_dense, query, calls)

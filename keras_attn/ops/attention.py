@@ -8,6 +8,7 @@ from keras import ops
 from keras_attn._checks import (
     check_attention_inputs,
     check_attention_options,
+    check_float,
     check_positive_float,
     check_segment_ids,
     exported_by_torch,
@@ -36,6 +37,7 @@ def dot_product_attention(
     logit_soft_cap=None,
     query_segment_ids=None,
     key_segment_ids=None,
+    sink_logits=None,
 ):
     """Scaled dot-product attention, softmax(QK^T * scale + bias) V, safely masked.
 
@@ -97,6 +99,12 @@ def dot_product_attention(
             each side; runs of two sequences cannot be matched by
             position). Defaults to `query_segment_ids` (self-attention,
             `S == T`, by runs).
+        sink_logits: optional float `(H,)`: a logit `s_h` per query head
+            that joins each row's softmax denominator and is then dropped
+            (gpt-oss's learned attention sinks): weights `exp(l_ij) /
+            (sum_j' exp(l_ij') + exp(s_h))`, in float32, so a row's weights
+            sum to less than 1. It needs the explicit path (no fused kernel
+            takes it). Defaults to `None`.
 
     Returns:
         `(B, T, H, Dv)`, or `(output, weights)` with `return_scores=True`.
@@ -116,10 +124,26 @@ def dot_product_attention(
     segment_ids = _checked_segment_ids(
         query_segment_ids, key_segment_ids, query, key, heads_major
     )
+    _check_sink_logits(sink_logits, query)
     return attend(
         query, key, value, mask, bias, is_causal, scale, flash_attention,
         dropout, return_scores, heads_major, logit_soft_cap, segment_ids,
+        sink_logits,
     )  # fmt: skip
+
+
+def _check_sink_logits(sink_logits, query):
+    """Raise unless `sink_logits` is `None` or a float `(H,)`, one per query head."""
+    if sink_logits is None:
+        return
+    shape = tuple(getattr(sink_logits, "shape", ()))
+    if shape != (query.shape[2],):
+        raise ValueError(
+            "`sink_logits` must have shape `(num_heads,)`, one logit per query "
+            f"head. Received: sink_logits.shape={shape}, query heads="
+            f"{query.shape[2]}."
+        )
+    check_float("sink_logits", sink_logits)
 
 
 def _checked_segment_ids(query_ids, key_ids, query, key, heads_major):
@@ -164,12 +188,13 @@ def attend(
     heads_major=False,
     logit_soft_cap=None,
     segment_ids=None,
+    sink_logits=None,
 ):
     """`dot_product_attention` without its checks, for callers that checked
     what they pass (the layers check their own calls, once); `segment_ids`:
     the segments to compare, `(query (B, T), keys (B, S))` (in
     self-attention the run numbers `segment_runs`, computed once a call),
-    or `None`."""
+    or `None`; `sink_logits`: `(H,)` or `None` (a layer's weight)."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
@@ -185,6 +210,7 @@ def attend(
         dropout=dropout is not None,
         return_scores=return_scores,
         logit_soft_cap=logit_soft_cap,
+        sink_logits=sink_logits is not None,
         flash_attention=flash_attention,
         platform=platform_of(query),
         exporting=exported_by_torch(),
@@ -198,6 +224,7 @@ def attend(
         heads_major=heads_major,
         dropout=dropout,
         logit_soft_cap=logit_soft_cap,
+        sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
     output, weights = _run(
         plan, query, key, value, mask, bias, is_causal, options, segment_ids

@@ -13,8 +13,11 @@ rule out, it raises (`refuse_flash`) rather than falling back.
 1. `flash_attention=False`: explicit.
 2. What no fused kernel computes (`fused_limits`): dropout on the weights
    (training), returning the weights, values of another width than the keys,
-   soft-capped logits, float64 (Keras' fused op returns float32 for it on
-   JAX and PyTorch). Explicit; with `flash_attention=True`, a `ValueError`.
+   soft-capped logits, sink logits (gpt-oss: an extra logit per head in the
+   softmax's denominator, which neither `keras.ops.dot_product_attention`
+   nor torch's `scaled_dot_product_attention` takes), float64 (Keras' fused
+   op returns float32 for it on JAX and PyTorch). Explicit; with
+   `flash_attention=True`, a `ValueError`.
 3. `flash_attention=True`: fused (the backend raises where it has no fused
    kernel for the inputs; on PyTorch its composite kernel is ruled out).
 4. `keras.config.disable_flash_attention()` (`is_flash_attention_enabled()`
@@ -170,6 +173,7 @@ def plan_attention(
     dropout=False,
     return_scores=False,
     logit_soft_cap=None,
+    sink_logits=False,
     flash_attention=None,
     backend=None,
     platform=None,
@@ -190,6 +194,7 @@ def plan_attention(
         dropout: bool. Dropout on the weights (training).
         return_scores: bool. The weights are returned.
         logit_soft_cap: float or `None`.
+        sink_logits: bool. A sink logit per head joins the softmax.
         flash_attention: `None`, `True` or `False`.
         backend: Keras backend; defaults to the running one.
         platform: `"cpu"`, `"gpu"` or `"tpu"` (see `platform_of`); defaults
@@ -210,6 +215,7 @@ def plan_attention(
         key_width=query_shape[-1],
         value_width=value_shape[-1],
         logit_soft_cap=logit_soft_cap,
+        sink_logits=sink_logits,
         dtype=dtype,
     )
     if not_fused and flash_attention:
@@ -290,6 +296,7 @@ def fused_limits(
     key_width=None,
     value_width=None,
     logit_soft_cap=None,
+    sink_logits=False,
     dtype=None,
 ):
     """What no fused kernel computes among what is asked: the reasons, in words
@@ -301,6 +308,7 @@ def fused_limits(
             value_width, key_width
         ),
         "soft-capped logits": logit_soft_cap is not None,
+        "sink logits": bool(sink_logits),
         "float64 inputs": dtype is not None
         and keras.backend.standardize_dtype(dtype) == "float64",
     }

@@ -12,7 +12,9 @@ EPS32 = 2.0**-24
 # --- Attention and positions --------------------------------------------------
 
 
-def dot_product_reference(query, key, value, mask=None, bias=None, soft_cap=None):
+def dot_product_reference(
+    query, key, value, mask=None, bias=None, soft_cap=None, sink_logits=None
+):
     """softmax(QK^T / sqrt(D) + bias) V in float64, the formula of
     `keras_attn.ops.dot_product_attention`.
 
@@ -20,7 +22,9 @@ def dot_product_reference(query, key, value, mask=None, bias=None, soft_cap=None
     `H` (query head `h` uses key/value head `h // (H // K)`); `mask`: bool
     broadcastable to `(B, H, T, S)`, True where attention is allowed; `bias`:
     float broadcastable to `(B, H, T, S)`; `soft_cap`: logits become
-    `soft_cap * tanh(logits / soft_cap)` before the bias. Returns
+    `soft_cap * tanh(logits / soft_cap)` before the bias; `sink_logits`
+    `(H,)`: gpt-oss's sinks, a last logit column of each row, its weight
+    dropped after the softmax (transformers' `eager_attention_forward`). Returns
     `(context (B, T, H, Dv), weights (B, H, T, S))`; a query row that may
     attend to no key gives zeros (the documented behaviour), not NaN.
     """
@@ -33,9 +37,14 @@ def dot_product_reference(query, key, value, mask=None, bias=None, soft_cap=None
         logits = logits + bias
     if mask is not None:
         logits = np.where(mask, logits, -np.inf)
+    keys = logits.shape[-1]
+    if sink_logits is not None:
+        sinks = np.asarray(sink_logits, np.float64)[None, :, None, None]
+        sinks = np.broadcast_to(sinks, (*logits.shape[:-1], 1))
+        logits = np.concatenate([logits, sinks], axis=-1)
     with np.errstate(invalid="ignore"):
         weights = np.exp(logits - logits.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
+        weights = (weights / weights.sum(-1, keepdims=True))[..., :keys]
     weights = np.nan_to_num(weights, nan=0.0)  # rows with no allowed key
     return np.einsum("bhts,bshd->bthd", weights, value), weights
 
@@ -44,7 +53,8 @@ def attention_reference(layer, query, value, mask=None, bias=None):
     """softmax(QK^T / sqrt(d_k) + bias) V W_O from a MultiHeadAttention's own
     weights, in float64. `mask`: bool broadcastable to `(B, H, T, S)`; a query
     row that may attend to no key gives the output bias alone (the layer's
-    documented behaviour), not NaN. A projection without a bias adds 0."""
+    documented behaviour), not NaN. A projection without a bias adds 0; the
+    layer's `sink_logits`, where it has them, join the softmax."""
     w = {
         name: {
             p: 0.0 if w is None else to_numpy(w).astype(np.float64)
@@ -60,7 +70,9 @@ def attention_reference(layer, query, value, mask=None, bias=None):
     q = np.einsum("btd,dhk->bthk", query, w["q"]["kernel"]) + w["q"]["bias"]
     k = np.einsum("bsd,dhk->bshk", value, w["k"]["kernel"]) + w["k"]["bias"]
     v = np.einsum("bsd,dhk->bshk", value, w["v"]["kernel"]) + w["v"]["bias"]
-    context, _ = dot_product_reference(q, k, v, mask, bias)
+    sinks = getattr(layer, "sink_logits", None)
+    sinks = None if sinks is None else to_numpy(sinks).astype(np.float64)
+    context, _ = dot_product_reference(q, k, v, mask, bias, sink_logits=sinks)
     return np.einsum("bthk,hko->bto", context, w["o"]["kernel"]) + w["o"]["bias"]
 
 

@@ -16,8 +16,13 @@ on TensorFlow, where Keras trains with XLA on a GPU: the gradient of Keras'
 TensorFlow `scan`, a `tf.while_loop` without `maximum_iterations`, asks XLA
 for "a fixed tensor list size". It also recomputes each chunk's output in
 the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
+
+Sink logits (gpt-oss: a logit per head in each row's denominator) join each
+row's log-sum-exp `L`; the sink's weight `exp(s_h - L)` has no value, so its
+logit's gradient is `-sum exp(s_h - L) rowsum(dO * O)` over the rows.
 """
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import keras
@@ -55,59 +60,68 @@ def attention(
     length = query.shape[1]
     count = -(-length // plan.chunk_rows)
     rows = -(-length // count)  # the fewest padded rows for `count` chunks
+    # What may need a gradient is an argument: the bias and the sinks too.
+    extra = {"bias": bias, "sink_logits": options.sink_logits}
+    extra = {name: x for name, x in extra.items() if x is not None}
     if plan.chunk_gradient == "remat":
-        return _recomputed(query, key, value, masking, count, rows, options)
+        return _recomputed(query, key, value, masking, count, rows, options, extra)
 
     @ops.custom_gradient
-    def attend(query, key, value, *bias):
-        # Only what may need a gradient is an argument (the mask is not).
-        inputs = (query, key, value, *bias)
-        bias_or_none = bias[0] if bias else None
-        chunks, shared = _split(query, masking._replace(bias=bias_or_none), count, rows)
-        output, log_sum = _forward(chunks, shared, key, value, options)
+    def attend(query, key, value, *tensors):
+        inputs = (query, key, value, *tensors)
+        given = dict(zip(extra, tensors, strict=True))
+        sinks = given.get("sink_logits")
+        own = dataclasses.replace(options, sink_logits=sinks)
+        chunks, shared = _split(
+            query, masking._replace(bias=given.get("bias")), count, rows
+        )
+        output, log_sum = _forward(chunks, shared, key, value, own)
 
         def gradient(*args, upstream=None):
             # Keras' documented signature for every backend's custom gradient.
             upstream = args[0] if upstream is None else upstream
             upstream = _in_chunks(upstream, 1, count, rows)  # (N, B, C, H, Dv)
-            sums = _backward(
-                chunks, shared, key, value, output, log_sum, upstream, options
-            )
+            sums = _backward(chunks, shared, key, value, output, log_sum, upstream, own)
             grads = [_joined(sums["query"], length), sums["key"], sums["value"]]
-            if bias:  # chunked like the bias: `(N, B|1, H|1, C, S)` per row
+            if "bias" in given:  # chunked like the bias: `(N, B|1, H|1, C, S)` per row
                 per_row = "bias" in chunks
                 grads.append(
                     _joined(sums["bias"], length, 2) if per_row else sums["bias"]
                 )
+            if sinks is not None:
+                grads.append(sums["sink_logits"])
             return tuple(
                 ops.cast(g, x.dtype) for g, x in zip(grads, inputs, strict=True)
             )
 
         return _joined(output, length), gradient
 
-    return attend(query, key, value, *([] if bias is None else [bias]))
+    return attend(query, key, value, *extra.values())
 
 
-def _recomputed(query, key, value, masking, count, rows, options):
+def _recomputed(query, key, value, masking, count, rows, options, extra):
     """`attention` with each chunk under `keras.remat`, differentiated by the
-    backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`."""
+    backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`; `extra`:
+    the bias and sink logits that are given, by name."""
     length = query.shape[1]
     chunks, shared = _split(query, masking, count, rows)
 
     def step(previous, chunk):
-        def attend(query, key, value, *bias):
+        def attend(query, key, value, *tensors):
             # What may need a gradient is an argument.
             given = {**shared, **chunk, "query": query}
-            if bias:
-                given["bias"] = bias[0]
+            given.update(zip(names, tensors, strict=True))
+            own = dataclasses.replace(options, sink_logits=given.get("sink_logits"))
             return explicit.attention(
                 query, key, value, _mask(given, given), given.get("bias"),
-                given.get("offset"), options,
+                given.get("offset"), own,
             )[0]  # fmt: skip
 
-        bias = chunk.get("bias", shared.get("bias"))
-        extra = [] if bias is None else [bias]
-        output = keras.remat(attend)(chunk["query"], key, value, *extra)
+        tensors = dict(extra)
+        if "bias" in chunk:  # a bias per row: this chunk's rows
+            tensors["bias"] = chunk["bias"]
+        names = tuple(tensors)
+        output = keras.remat(attend)(chunk["query"], key, value, *tensors.values())
         return output, output
 
     batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
@@ -139,9 +153,13 @@ def _forward(chunks, shared, key, value, options):
 
     def step(previous, chunk):
         logits, _, has_key = _logits(chunk, shared, key, options)  # (B, H, C, S)
+        if options.sink_logits is not None:  # a last key, dropped after
+            logits = explicit.with_sinks(logits, options.sink_logits)
         top = ops.max(logits, axis=-1, keepdims=True)
         exp = ops.exp(logits - top)  # softmax as Keras computes it
         total = ops.sum(exp, axis=-1, keepdims=True)
+        if options.sink_logits is not None:
+            exp = exp[..., :-1]
         probs = ops.cast(exp / total, value.dtype)
         output = explicit.combine(probs, value, options)  # (B, C, H, Dv)
         output = zero_empty_rows(output, None, has_key)[0]
@@ -194,7 +212,19 @@ def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
 
     sums = ops.fori_loop(0, log_sum.shape[0], step, sums)
     sums["query"] = sums.pop("rows")[..., :width]
+    if options.sink_logits is not None:
+        sums["sink_logits"] = _sink_gradient(options.sink_logits, log_sum, chunks)
     return sums
+
+
+def _sink_gradient(sink_logits, log_sum, chunks):
+    """d loss / d sink logits `(H,)`: the sink's weight `exp(s_h - L)` is a
+    softmax weight like the keys', so its logit's gradient is `P (dP - D)`
+    with `dP = 0` (it has no value): `-sum exp(s_h - L_bhi) D_bhi` over the
+    batch and the rows (padding rows and empty rows have `D = 0`)."""
+    sinks = ops.reshape(ops.cast(sink_logits, log_sum.dtype), (1, 1, -1, 1, 1))
+    weights = ops.exp(sinks - log_sum)  # (N, B, H, C, 1)
+    return -ops.sum(weights * chunks["delta"], axis=(0, 1, 3, 4))
 
 
 def _backward_start(chunks, shared, key, value, output, log_sum, upstream):

@@ -2,7 +2,7 @@
 materialized, logits and softmax in float32 (float64 for float64 inputs).
 
 It computes everything the fused kernels cannot: dropout on the weights,
-returned weights, soft-capped logits, values of another width.
+returned weights, soft-capped logits, sink logits, values of another width.
 """
 
 import keras
@@ -49,7 +49,9 @@ def visible(mask, causal_offset, query, key, options):
 def _weights_and_output(query, key, value, mask, bias, options):
     """`(output (B, T, H, Dv), weights (B, H, T, S))`, the weights before
     dropout."""
-    probs = _masked_softmax(logits(query, key, bias, options), mask, value.dtype)
+    probs = _masked_softmax(
+        logits(query, key, bias, options), mask, value.dtype, options.sink_logits
+    )
     weights = probs if options.dropout is None else options.dropout(probs)
     return combine(weights, value, options), probs
 
@@ -150,9 +152,22 @@ def _grouped_einsums(num_heads, num_key_value_heads, heads_major):
     return f"btkgd,{keys}->bkgts", f"bkgts,{keys}->btkgd"
 
 
-def _masked_softmax(logits, mask, dtype):
-    """Softmax of `logits` over the keys `mask` allows, cast to `dtype`."""
-    return ops.cast(_softmax(masked(logits, mask)), dtype)
+def _masked_softmax(logits, mask, dtype, sink_logits=None):
+    """Softmax of `logits` over the keys `mask` allows, cast to `dtype`; with
+    `sink_logits` `(H,)`, each head's sink joins the denominator."""
+    logits = masked(logits, mask)
+    if sink_logits is None:
+        return ops.cast(_softmax(logits), dtype)
+    return ops.cast(_softmax(with_sinks(logits, sink_logits))[..., :-1], dtype)
+
+
+def with_sinks(logits, sink_logits):
+    """`logits` `(B, H, T, S)` with each head's sink logit appended as a last
+    key `(B, H, T, S + 1)`, in the logits' dtype: the softmax over it, its
+    column dropped, gives gpt-oss's weights."""
+    sinks = ops.reshape(ops.cast(sink_logits, logits.dtype), (1, -1, 1, 1))
+    sinks = ops.broadcast_to(sinks, (*ops.shape(logits)[:-1], 1))
+    return ops.concatenate([logits, sinks], axis=-1)
 
 
 def masked(logits, mask):
