@@ -73,6 +73,34 @@ DEFAULTS = {
         "rope_theta": 1e6,
         "rope_local_base_freq": 1e4,
     },
+    "mixtral": {"hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "qwen3_moe": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "max_window_layers": 28,
+    },
+    "gpt_oss": {
+        "rms_norm_eps": 1e-5,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+        "head_dim": 64,
+    },
+    "deepseek_v3": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "norm_topk_prob": True,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 1536,
+    },
 }
 
 

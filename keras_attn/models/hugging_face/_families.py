@@ -36,11 +36,6 @@ def activation_name(activation, tanh_gelu="gelu_pytorch_tanh"):
     return names[0] if names else activation
 
 
-def read_family(config, dtype):
-    """`(spec, links)` of the config's family."""
-    return FAMILIES[config.family](config, dtype)
-
-
 # --- LLaMA and its descendants ------------------------------------------------
 
 
@@ -55,6 +50,8 @@ def _llama_like(config, dtype, **features):
         _llama_block(config, features, types[i] == SLIDING and window, i not in no_rope)
         for i in range(count)
     )
+    if "adapt" in features:  # the sparse families' attention and experts
+        blocks = tuple(features["adapt"](i, block) for i, block in enumerate(blocks))
     spec = DecoderLMSpec(
         vocabulary_size=config["vocab_size"],
         hidden_dim=config["hidden_size"],
@@ -64,7 +61,7 @@ def _llama_like(config, dtype, **features):
         dropout=float(config.get("embd_pdrop", 0.0)) if fused else 0.0,  # Phi-3
         dtype=dtype,
     )
-    return spec, _llama_links(spec, "model.", fused)
+    return spec, _llama_links(spec, "model.", fused, features.get("sublayer_links"))
 
 
 def _llama_block(config, features, window, rope):
@@ -98,21 +95,30 @@ def _llama_block(config, features, window, rope):
     return block
 
 
-def _llama_links(spec, prefix, fused):
+def _llama_links(spec, prefix, fused, sublayer_links=None):
+    """`sublayer_links(ours, theirs, block)`: the links of a block's
+    attention and feed-forward (None: LLaMA's; the sparse families')."""
+    if sublayer_links is None:
+
+        def sublayer_links(ours, theirs, block):
+            return _attention_links(ours, theirs, block, fused) + _feedforward_links(
+                ours, theirs, block, fused
+            )
+
     links = [link(f"{prefix}embed_tokens.weight", "token_embedding/embeddings")]
     for i, block in enumerate(spec.blocks):
         ours, theirs = f"transformer_layer_{i}/", f"{prefix}layers.{i}."
-        links += _attention_links(ours, theirs, block, fused)
-        links += _feedforward_links(ours, theirs, block, fused)
-        norms = {
-            "input_layernorm": "self_attention_layer_norm",
-            "post_attention_layernorm": "feedforward_layer_norm",
-        }
-        links += [
-            link(f"{theirs}{t}.weight", f"{ours}{o}/scale") for t, o in norms.items()
-        ]
+        links += sublayer_links(ours, theirs, block) + _norm_links(ours, theirs)
     links.append(link(f"{prefix}norm.weight", "final_norm/scale"))
     return links + _head_links(spec)
+
+
+def _norm_links(ours, theirs):
+    norms = {
+        "input_layernorm": "self_attention_layer_norm",
+        "post_attention_layernorm": "feedforward_layer_norm",
+    }
+    return [link(f"{theirs}{t}.weight", f"{ours}{o}/scale") for t, o in norms.items()]
 
 
 def _head_links(spec):
@@ -142,6 +148,8 @@ def _attention_links(ours, theirs, block, fused, norm=SAME):
     links.append(link(f"{theirs}o_proj.weight", output, OUTPUT_LINEAR))
     if block["use_output_bias"]:
         links.append(link(f"{theirs}o_proj.bias", f"{ours}attention_output/bias"))
+    if block.get("use_sink_logits"):  # gpt-oss
+        links.append(link(f"{theirs}sinks", f"{ours}sink_logits"))
     if block.get("normalize_qk"):
         links += [
             link(f"{theirs}q_norm.weight", f"{ours}query_norm/scale", norm),
@@ -473,7 +481,7 @@ def _gpt2_links(spec):
     return links
 
 
-FAMILIES = {
+DENSE_FAMILIES = {
     "gpt2": _gpt2,
     "llama": _llama,
     "mistral": _mistral,

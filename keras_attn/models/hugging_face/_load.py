@@ -5,12 +5,13 @@ import numpy as np
 
 from keras_attn.models.decoder_lm import decoder_lm
 from keras_attn.models.hugging_face._config import HFConfig
-from keras_attn.models.hugging_face._families import FAMILIES, read_family
 from keras_attn.models.hugging_face._files import (
     FLOAT_DTYPES,
     as_dtype,
     open_checkpoint,
 )
+from keras_attn.models.hugging_face._registry import FAMILIES, read_family
+from keras_attn.models.hugging_face._sparse_families import mtp_layers
 
 
 def from_hugging_face(path, dtype=None):
@@ -29,8 +30,14 @@ def from_hugging_face(path, dtype=None):
 
     Families (`model_type`): `gpt2`, `llama` (2, 3, 3.1's rope scaling, 3.2's
     tied head), `mistral`, `qwen2` (2 and 2.5), `qwen3`, `gemma`, `gemma2`,
-    `gemma3_text`, `phi3`, `smollm3`. Rotary scaling: linear, llama3, yarn;
-    dynamic NTK, longrope and partial rotary factors are refused.
+    `gemma3_text`, `phi3`, `smollm3`, and the sparse ones: `mixtral`,
+    `qwen3_moe`, `gpt_oss` (sink logits, clamped SwiGLU experts) and
+    `deepseek_v3` (latent attention, grouped sigmoid routing, shared
+    experts; its multi-token-prediction layers are skipped, as transformers
+    skips them), whose feed-forward networks are
+    `keras_attn.layers.MixtureOfExperts`. Rotary scaling: linear, llama3,
+    yarn (gpt-oss's and DeepSeek's `mscale` included); dynamic NTK, longrope
+    and partial rotary factors are refused.
 
     Args:
         path: str or os.PathLike. The checkpoint folder.
@@ -80,14 +87,30 @@ def from_hugging_face(path, dtype=None):
             "policy ('mixed_bfloat16')."
         )
     model = decoder_lm(spec, name=f"{config.family}_keras_attn")
-    names = _resolve(links, {v.path: tuple(v.shape) for v in model.weights}, checkpoint)
+    shapes = {v.path: tuple(v.shape) for v in model.weights if not _state(v)}
+    names = _resolve(links, shapes, checkpoint, mtp_layers(config))
     _check_tied_copy(links, names, checkpoint)
-    variables = {v.path: v for v in model.weights}
+    _assign(links, names, {v.path: v for v in model.weights}, checkpoint)
+    return model
+
+
+def _assign(links, names, variables, checkpoint):
+    """Each linked tensor read once and assigned; an expert's slice goes into
+    its variable's buffer, assigned once every expert's slice is in (the
+    family lists a variable's experts together, so one buffer at a time)."""
+    buffers, filled = {}, {}
     for item, name in zip(links, names, strict=True):
         shapes = {path: tuple(variables[path].shape) for path in item.ours}
         for path, value in item.load(checkpoint.read(name), shapes).items():
-            variables[path].assign(as_dtype(value, variables[path].dtype))
-    return model
+            variable = variables[path]
+            if item.expert is None:
+                variable.assign(as_dtype(value, variable.dtype))
+                continue
+            buffer = buffers.setdefault(path, np.empty(shapes[path], value.dtype))
+            buffer[item.expert] = value
+            filled[path] = filled.get(path, 0) + 1
+            if filled[path] == shapes[path][0]:
+                variable.assign(as_dtype(buffers.pop(path), variable.dtype))
 
 
 def _float_policy(dtype):
@@ -113,15 +136,13 @@ def _float_policy(dtype):
     return policy
 
 
-def _resolve(links, shapes, checkpoint):
+def _resolve(links, shapes, checkpoint, unread=()):
     """Each link's tensor name in the checkpoint, after checking that every
     variable is linked once, every tensor used once (a tied head's copy and
     GPT-2's mask buffers aside), each of the shape the config implies, and
-    each a float tensor."""
-    linked = [path for item in links for path in item.ours]
-    unlinked = sorted(set(shapes) - set(linked))
-    if unlinked or len(linked) != len(set(linked)):
-        raise AssertionError(f"Our links miss {unlinked} or repeat a variable.")
+    each a float tensor. `unread`: name prefixes of tensors the family's
+    transformers model skips (DeepSeek-V3's multi-token prediction)."""
+    _check_links(links, shapes)
     names = [_name(item.theirs, checkpoint) for item in links]
     errors = []
     for item, name in zip(links, names, strict=True):
@@ -133,7 +154,8 @@ def _resolve(links, shapes, checkpoint):
             errors.append(f"{name} has shape {shape}, the config implies {expected}")
         elif checkpoint.dtypes[name] not in FLOAT_DTYPES:
             errors.append(f"{name} is {checkpoint.dtypes[name]}, not a float tensor")
-    unused = sorted(set(checkpoint.shapes) - set(names) - _ignored(checkpoint, names))
+    ignored = _ignored(checkpoint, names, unread)
+    unused = sorted(set(checkpoint.shapes) - set(names) - ignored)
     if unused:
         errors.append(f"tensors the config does not use: {unused[:8]}")
     if errors:
@@ -143,6 +165,26 @@ def _resolve(links, shapes, checkpoint):
             + ". Nothing was loaded."
         )
     return names
+
+
+def _state(variable):
+    """Whether `variable` is state a step computes, which no checkpoint holds
+    (`MixtureOfExperts.expert_load`: the last call's tokens per expert)."""
+    return variable.path.endswith("/expert_load")
+
+
+def _check_links(links, shapes):
+    """Our own tables' consistency: every variable linked once (or each of
+    its experts' slices once)."""
+    linked = [(path, item.expert) for item in links for path in item.ours]
+    expected = {
+        (path, e)
+        for path in {p for p, e in linked if e is not None}
+        for e in range(shapes[path][0])
+    } | {(path, None) for path in set(shapes) - {p for p, e in linked if e is not None}}
+    if set(linked) != expected or len(linked) != len(set(linked)):
+        missing = sorted(expected - set(linked), key=str)[:4]
+        raise AssertionError(f"Our links miss {missing} or repeat a variable.")
 
 
 def _check_tied_copy(links, names, checkpoint):
@@ -182,12 +224,12 @@ def _name(theirs, checkpoint):
     return None
 
 
-def _ignored(checkpoint, names):
+def _ignored(checkpoint, names, unread):
     """Tensors transformers' model does not read: a tied head's copy of the
     token table, GPT-2's causal-mask buffers, rotary frequency buffers."""
     buffers = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
     return {
         name
         for name in set(checkpoint.shapes) - set(names)
-        if name == "lm_head.weight" or name.endswith(buffers)
+        if name == "lm_head.weight" or name.endswith(buffers) or name.startswith(unread)
     }

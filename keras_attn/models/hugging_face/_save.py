@@ -12,12 +12,12 @@ import keras
 from keras_attn.layers._machinery import all_layers, quantized_layers
 from keras_attn.models.decoder_lm import spec_of
 from keras_attn.models.hugging_face._config import HFConfig
-from keras_attn.models.hugging_face._families import read_family
 from keras_attn.models.hugging_face._files import (
     as_dtype,
     checked_new_folder,
     write_checkpoint,
 )
+from keras_attn.models.hugging_face._registry import read_family
 from keras_attn.models.hugging_face._writers import WRITERS, resolved
 
 # The families tried, simplest first, when `model_type` is not given
@@ -69,7 +69,8 @@ def to_hugging_face(
         The family written (its `model_type`).
 
     Raises:
-        ValueError: a model of another shape, quantized layers, a folder
+        ValueError: a model of another shape (mixture-of-experts and latent
+            attention blocks included), quantized layers, a folder
             holding a checkpoint, or a model no family's config describes
             (the message says what each would compute differently), before
             anything is written. TypeError: a `model` or `path` of another
@@ -89,6 +90,7 @@ def to_hugging_face(
     """
     _check_arguments(model, path, model_type, dtype)
     spec = spec_of(model)
+    _check_dense(spec)
     _check_float(model)
     family, config, links = _describe(spec, model_type)
     config.update(_limit(spec, family, max_position_embeddings))
@@ -117,6 +119,24 @@ def _check_arguments(model, path, model_type, dtype):
         raise ValueError(
             "`dtype` must be None, 'float32', 'bfloat16' or 'float16'. "
             f"Received: dtype={dtype!r}."
+        )
+
+
+def _check_dense(spec):
+    """The families written have one attention and one dense feed-forward
+    per block: a mixture of experts or latent attention is refused by name."""
+    sparse = [
+        f"transformer_layer_{i}"
+        for i, block in enumerate(spec.blocks)
+        if block.get("feedforward") is not None
+        or block.get("self_attention") is not None
+    ]
+    if sparse:
+        raise ValueError(
+            f"`to_hugging_face` writes the dense families {sorted(WRITERS)}; "
+            f"the blocks {sparse[:4]} have a mixture of experts (`feedforward`) "
+            "or latent attention (`self_attention`), which it does not write. "
+            "Save the model with `model.save(path)` (a .keras file) instead."
         )
 
 
