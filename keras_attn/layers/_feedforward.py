@@ -4,11 +4,10 @@ argument resolved once, the block options it would leave unused refused,
 and a clone named `feedforward` per build (as `_self_attention` does for
 `self_attention`)."""
 
-import json
-
-import keras
-
+from keras_attn.layers._sublayer_argument import clone, config_of, serialized
 from keras_attn.layers.mixture_of_experts import MixtureOfExperts
+
+__all__ = ["build", "config_of", "resolve"]
 
 
 def resolve(block, feedforward, intermediate_dim, gated, use_bias):
@@ -23,15 +22,6 @@ def resolve(block, feedforward, intermediate_dim, gated, use_bias):
                 "Received: intermediate_dim=None, feedforward=None."
             )
         return None
-    layer = feedforward
-    if isinstance(feedforward, dict):
-        layer = keras.saving.deserialize_keras_object(feedforward)
-    if not isinstance(layer, MixtureOfExperts):
-        raise TypeError(
-            "`feedforward` must be a `keras_attn.layers.MixtureOfExperts` or "
-            "its serialized dict (`keras.saving.serialize_keras_object`). "
-            f"Received: feedforward of type {type(feedforward).__name__}."
-        )
     given = {"gated_feedforward": gated or None, "use_feedforward_bias": use_bias}
     given = {name: value for name, value in given.items() if value is not None}
     if given:
@@ -41,20 +31,9 @@ def resolve(block, feedforward, intermediate_dim, gated, use_bias):
             + ", ".join(f"{name}={value!r}" for name, value in given.items())
             + ". Set them on the `feedforward` layer, or leave them out."
         )
-    return json.dumps(keras.saving.serialize_keras_object(layer))
+    return serialized("feedforward", feedforward, MixtureOfExperts)
 
 
-def build(block, serialized, shape):
-    """A fresh layer of `serialized` named `feedforward`, of the block's
-    dtype policy, built for `shape`."""
-    template = keras.saving.deserialize_keras_object(json.loads(serialized))
-    config = {**template.get_config(), "name": "feedforward"}
-    config["dtype"] = block.dtype_policy
-    layer = type(template).from_config(config)
-    layer.build(shape)
-    return layer
-
-
-def config_of(serialized):
-    """The `feedforward` config entry: the serialized dict, or `None`."""
-    return None if serialized is None else json.loads(serialized)
+def build(block, serialized_layer, shape):
+    """A fresh layer named `feedforward`, of the block's dtype policy."""
+    return clone(block, serialized_layer, "feedforward", shape)

@@ -2,12 +2,16 @@
 self_attention=...)`): the argument resolved once, the block options it
 would leave unused refused, and a clone named `self_attention` per build."""
 
-import json
-
-import keras
-
 from keras_attn.layers._options import AttentionOptions
+from keras_attn.layers._sublayer_argument import (
+    clone,
+    config_of,
+    layer_of,
+    serialized,
+)
 from keras_attn.layers.multi_head_latent_attention import MultiHeadLatentAttention
+
+__all__ = ["build", "config_of", "refuse_cross_options", "resolve"]
 
 # Block options only the block's own self-attention reads.
 _SELF_ONLY = (
@@ -26,16 +30,8 @@ def resolve(block, self_attention):
     `keras.saving.serialize_keras_object` dict; `None` for `None`."""
     if self_attention is None:
         return None
-    layer = self_attention
-    if isinstance(self_attention, dict):
-        layer = keras.saving.deserialize_keras_object(self_attention)
-    if not isinstance(layer, MultiHeadLatentAttention):
-        raise TypeError(
-            "`self_attention` must be a `keras_attn.layers."
-            "MultiHeadLatentAttention` or its serialized dict "
-            "(`keras.saving.serialize_keras_object`). Received: "
-            f"self_attention of type {type(self_attention).__name__}."
-        )
+    text = serialized("self_attention", self_attention, MultiHeadLatentAttention)
+    layer = layer_of(text)
     if layer.num_heads != block.num_heads:
         raise ValueError(
             "`num_heads` of the block must be its `self_attention`'s (the "
@@ -44,7 +40,7 @@ def resolve(block, self_attention):
             f"{layer.num_heads}."
         )
     _refuse_options(block, _SELF_ONLY, "it carries its own")
-    return json.dumps(keras.saving.serialize_keras_object(layer))
+    return text
 
 
 def refuse_cross_options(block):
@@ -76,17 +72,6 @@ def _refuse_options(block, names, why, given=None):
         )
 
 
-def build(block, serialized, query_shape):
-    """A fresh layer of `serialized` named `self_attention`, of the block's
-    dtype policy, built for `query_shape`."""
-    template = keras.saving.deserialize_keras_object(json.loads(serialized))
-    config = {**template.get_config(), "name": "self_attention"}
-    config["dtype"] = block.dtype_policy
-    layer = type(template).from_config(config)
-    layer.build(query_shape)
-    return layer
-
-
-def config_of(serialized):
-    """The `self_attention` config entry: the serialized dict, or `None`."""
-    return None if serialized is None else json.loads(serialized)
+def build(block, serialized_layer, query_shape):
+    """A fresh layer named `self_attention`, of the block's dtype policy."""
+    return clone(block, serialized_layer, "self_attention", query_shape)

@@ -11,13 +11,15 @@ import pytest
 
 import keras_attn
 from keras_attn.models import from_hugging_face
-from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.backend import to_numpy
 from tests.helpers.hugging_face import (
     LLAMA,
     VOCABULARY,
+    assert_same_greedy,
     assert_same_logits,
     tiny_causal_lm,
     transformers_logits,
+    write_folders,
 )
 
 torch = pytest.importorskip("torch")
@@ -110,35 +112,10 @@ def transformers_model(family, dtype="float32"):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """family: (folder, transformers model in float32), written once."""
-    written = {}
-    for family in FAMILIES:
-        model = transformers_model(family)
-        folder = str(tmp_path_factory.mktemp(family))
-        model.save_pretrained(folder)
-        written[family] = folder, model
-    return written
+    return write_folders(tmp_path_factory, FAMILIES, transformers_model)
 
 
-def their_greedy(model, prompts):
-    """transformers' greedy tokens for left-padded `prompts` (0 = padding)."""
-    ids = torch.as_tensor(prompts, dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=(ids != 0).long(),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[:, ids.shape[1] :].numpy()
-
-
-# TensorFlow decodes 12 small models faster eagerly than compiling each (51 s
-# against 66 s); the compiled loops are tested in tests/generation.
-JIT = False if BACKEND == "tensorflow" else "auto"
 TOKENS = np.random.default_rng(2).integers(1, VOCABULARY, (2, 13)).astype("int32")
-LEFT_PADDED = np.array([[0, 0, 0, 5, 9, 14, 3], [7, 11, 4, 8, 21, 30, 6]], "int32")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -146,18 +123,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family, folders):
     folder, reference = folders[family]
     model = from_hugging_face(folder)
     assert_same_logits(to_numpy(model(TOKENS)), transformers_logits(reference, TOKENS))
-    assert_same_greedy(model, reference)
-
-
-def assert_same_greedy(model, reference):
-    """Our greedy tokens for a left-padded batch are transformers'."""
-    tokens = keras_attn.generation.generate(
-        model, LEFT_PADDED, max_new_tokens=NEW_TOKENS, jit_compile=JIT
-    )
-    np.testing.assert_array_equal(
-        np.asarray(tokens)[:, LEFT_PADDED.shape[1] :],
-        their_greedy(reference, LEFT_PADDED),
-    )
+    assert_same_greedy(model, reference, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -170,7 +136,7 @@ def test_bfloat16_checkpoints_give_the_same_logits_and_tokens(family, tmp_path):
     model = from_hugging_face(tmp_path, dtype="float32")
     expected = transformers_logits(reference, TOKENS)
     assert_same_logits(to_numpy(model(TOKENS)), expected)
-    assert_same_greedy(model, reference)
+    assert_same_greedy(model, reference, NEW_TOKENS)
 
 
 # The family `to_hugging_face` writes for each folder loaded: its own, but

@@ -8,14 +8,16 @@ import pytest
 
 import keras_attn
 from keras_attn.models import from_hugging_face
-from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.backend import to_numpy
 from tests.helpers.hugging_face import (
     VOCABULARY,
+    assert_same_greedy,
     assert_same_logits,
     edit_config,
     edit_tensors,
     tiny_causal_lm,
     transformers_logits,
+    write_folders,
 )
 
 torch = pytest.importorskip("torch")
@@ -88,32 +90,10 @@ def transformers_model(family):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """family: (folder, transformers model in float32), written once."""
-    written = {}
-    for family in FAMILIES:
-        model = transformers_model(family)
-        folder = str(tmp_path_factory.mktemp(family))
-        model.save_pretrained(folder)
-        written[family] = folder, model
-    return written
+    return write_folders(tmp_path_factory, FAMILIES, transformers_model)
 
 
-def their_greedy(model, prompts):
-    ids = torch.as_tensor(prompts, dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=(ids != 0).long(),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[:, ids.shape[1] :].numpy()
-
-
-JIT = False if BACKEND == "tensorflow" else "auto"
 TOKENS = np.random.default_rng(2).integers(1, VOCABULARY, (2, 13)).astype("int32")
-LEFT_PADDED = np.array([[0, 0, 0, 5, 9, 14, 3], [7, 11, 4, 8, 21, 30, 6]], "int32")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -121,13 +101,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family, folders):
     folder, reference = folders[family]
     model = from_hugging_face(folder)
     assert_same_logits(to_numpy(model(TOKENS)), transformers_logits(reference, TOKENS))
-    tokens = keras_attn.generation.generate(
-        model, LEFT_PADDED, max_new_tokens=NEW_TOKENS, jit_compile=JIT
-    )
-    np.testing.assert_array_equal(
-        np.asarray(tokens)[:, LEFT_PADDED.shape[1] :],
-        their_greedy(reference, LEFT_PADDED),
-    )
+    assert_same_greedy(model, reference, NEW_TOKENS)
 
 
 def test_the_layers_are_the_sparse_ones(folders):
