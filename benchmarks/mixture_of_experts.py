@@ -176,7 +176,10 @@ def arguments(args, seed=0):
 
 def contenders(args, ids):
     """Name -> (function of `(x, scales, m1, m2, m3)`, eager only)."""
-    plan = plan_experts(args.tokens, args.top_k, args.experts)
+    # The grouped contender runs as a layer would: eagerly on PyTorch, where
+    # the plan may read the group sizes to the host (`"sorted"`).
+    eager_torch = keras.config.backend() == "torch"
+    plan = plan_experts(args.tokens, args.top_k, args.experts, host_reads=eager_torch)
 
     def grouped(p):
         def run(x, scales, w1, w2, wg):
@@ -200,7 +203,7 @@ def contenders(args, ids):
         False,
     )
     for block in args.blocks:
-        if block != plan.block_size:
+        if plan.algorithm == "sorted" or block != plan.block_size:
             blocks = ExpertsPlan("blocks", block)
             named[f"grouped (blocks, block {block})"] = (grouped(blocks), False)
     named["loop over experts"] = (moe(loop), True)

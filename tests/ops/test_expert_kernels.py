@@ -22,6 +22,8 @@ from tests.helpers.builders import random_floats
 
 D, F, E = 5, 7, 4
 PLANS = [ExpertsPlan("gather"), ExpertsPlan("blocks", 1), ExpertsPlan("blocks", 4)]
+# PyTorch in eager execution only: it reads the group sizes to the host.
+PLANS += [ExpertsPlan("sorted")] if BACKEND == "torch" else []
 
 
 def silu(x):
@@ -144,11 +146,15 @@ def _call(fn, ids, present):
     return call
 
 
-@pytest.mark.parametrize("plan", PLANS[:2] + [ExpertsPlan("blocks", 8)], ids=str)
+@pytest.mark.parametrize(
+    "plan", PLANS[:2] + [ExpertsPlan("blocks", 8)] + PLANS[3:], ids=str
+)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gradients_reach_the_inputs_the_routing_weights_and_every_matrix(
     plan, compiled
 ):
+    if compiled and plan.algorithm == "sorted":
+        pytest.skip("eager only: the plan never chooses it while compiling")
     x, ids, scales, _ = inputs(13, 2, "unbalanced")
     matrices, present = _flat_weights(gated=True, biased=True)
     ids = keras.ops.convert_to_tensor(ids)
@@ -184,6 +190,26 @@ def test_plan_rules(tokens, top_k, experts, algorithm, block):
     plan = plan_experts(tokens, top_k, experts)
     assert (plan.algorithm, plan.block_size) == (algorithm, block)
     assert plan.reason
+
+
+def test_eager_pytorch_sorts_past_a_few_tokens():
+    assert plan_experts(1, 2, 8, host_reads=True).algorithm == "gather"
+    assert plan_experts(4096, 2, 8, host_reads=True).algorithm == "sorted"
+    assert plan_experts(4096, 2, 8, 64, host_reads=True).algorithm == "blocks"
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's eager execution")
+def test_the_default_plan_sorts_in_eager_pytorch_only():
+    import torch
+
+    x, ids, scales, w = inputs(11, 2, "unbalanced")
+    expected = numpy_reference(x, ids, scales, w)
+    for run in (
+        lambda *a: grouped_feedforward(*a, w, keras_hidden),
+        torch.compile(lambda *a: grouped_feedforward(*a, w, keras_hidden)),
+    ):
+        out = run(*(torch.as_tensor(a) for a in (x, ids, scales)))
+        np.testing.assert_allclose(to_numpy(out), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_given_block_size_is_kept():

@@ -20,6 +20,9 @@ ops only, static shapes (so they run under `jax.jit`, TensorFlow's XLA and
   expert's gathered matrices, and each assignment takes its row back (a
   gather: the gradient is a scatter-add on every backend). The padded rows
   are bounded statically: at most `N * k + E * (block_size - 1)`.
+- `"sorted"` (PyTorch in eager execution only, `torch_experts`): the
+  assignments sorted by expert, the group sizes read to the host once, each
+  expert's matmul on exactly its rows.
 
 Measured and left out (CPU, one thread; `benchmarks/mixture_of_experts.py`,
 8 experts, 8,192 rows of 512 times 512x1024 in equal groups; a plain
@@ -35,11 +38,18 @@ Measured and left out (CPU, one thread; `benchmarks/mixture_of_experts.py`,
 - The blocks one at a time (a Python loop, unrolled under jit: no
   `(blocks, D, F)` copy of the matrices): on PyTorch 2.89x the dense network
   forward against 2.68x for the batched blocks (block 256, a loaded machine).
+- The blocks in a `fori_loop` (JAX, jit; each block's matrices by
+  `ops.take` of a scalar, padding blocks skipped by `ops.cond`; no weight
+  copies): forward 1.34x dense (block 256; 1.40x at 128) against 1.89x for
+  the batched blocks, but the training step 2.71x (3.86x at 128) against
+  2.00x: each step's gradient adds into the whole `(E, D, F)` matrices.
+  Worth a custom gradient; not kept yet.
 """
 
 import collections
 import dataclasses
 
+import keras
 from keras import ops
 
 __all__ = [
@@ -70,6 +80,10 @@ GATHER_UP_TO = 1
 # two between `MIN_BLOCK` and `MAX_BLOCK`.
 MIN_BLOCK = 8
 MAX_BLOCK = 512
+# Rule 2: on PyTorch in eager execution, `"sorted"`: 4,096 tokens, top 2 of
+# 8 experts, D=512, F=1024 (benchmarks/results/mixture_of_experts_torch.md)
+# the blocks took 1.67x the dense network's forward and 1.92x its training
+# step, their padding and matrix copies included; `"sorted"` has neither.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +91,9 @@ class ExpertsPlan:
     """How one grouped feed-forward call runs.
 
     Attributes:
-        algorithm: `"gather"` (each assignment's expert matrices gathered) or
-            `"blocks"` (assignments sorted by expert into padded blocks).
+        algorithm: `"gather"` (each assignment's expert matrices gathered),
+            `"blocks"` (assignments sorted by expert into padded blocks) or
+            `"sorted"` (PyTorch eager: one matmul per expert on its rows).
         block_size: int. Rows per block (`"blocks"`), else 0.
         reason: str. Why this algorithm.
     """
@@ -88,7 +103,7 @@ class ExpertsPlan:
     reason: str = ""
 
 
-def plan_experts(num_tokens, top_k, num_experts, block_size=None):
+def plan_experts(num_tokens, top_k, num_experts, block_size=None, host_reads=False):
     """Choose how `grouped_feedforward` computes `num_tokens` tokens, each
     routed to `top_k` of `num_experts` experts (static ints).
 
@@ -96,12 +111,17 @@ def plan_experts(num_tokens, top_k, num_experts, block_size=None):
     1. `num_tokens * top_k <= GATHER_UP_TO * num_experts` (a few tokens,
        decoding): `"gather"`, whose weight reads then stay within one read of
        every expert.
-    2. Otherwise `"blocks"`, of `block_size` rows (by default a power of two
+    2. `host_reads` (PyTorch in eager execution, where a call may read its
+       group sizes to the host): `"sorted"` (benchmarks/results/
+       mixture_of_experts_torch.md).
+    3. Otherwise `"blocks"`, of `block_size` rows (by default a power of two
        near a quarter of an expert's mean group, see `MIN_BLOCK`).
     """
     assignments = num_tokens * top_k
     if block_size is None and assignments <= GATHER_UP_TO * num_experts:
         return ExpertsPlan("gather", 0, "few assignments: at most one per expert")
+    if block_size is None and host_reads:
+        return ExpertsPlan("sorted", 0, "eager PyTorch: one matmul per expert")
     if block_size is None:
         quarter = max(assignments // (4 * num_experts), 1)
         block_size = min(max(1 << (quarter.bit_length() - 1), MIN_BLOCK), MAX_BLOCK)
@@ -128,10 +148,32 @@ def grouped_feedforward(x, expert_ids, expert_weights, weights, hidden_fn, plan=
     """
     num_tokens, top_k = expert_ids.shape
     if plan is None:
-        plan = plan_experts(num_tokens, top_k, weights.intermediate.shape[0])
+        host_reads = _torch_eager()
+        num_experts = weights.intermediate.shape[0]
+        plan = plan_experts(num_tokens, top_k, num_experts, host_reads=host_reads)
+    if plan.algorithm == "sorted":
+        from keras_attn.ops.kernels import torch_experts
+
+        x, expert_ids, expert_weights = (
+            ops.convert_to_tensor(t) for t in (x, expert_ids, expert_weights)
+        )
+        weights = ExpertWeights(
+            *(None if w is None else ops.convert_to_tensor(w) for w in weights)
+        )
+        return torch_experts.grouped_feedforward(
+            x, expert_ids, expert_weights, weights, hidden_fn
+        )
     if plan.algorithm == "gather":
         return _gathered(x, expert_ids, expert_weights, weights, hidden_fn)
     return _blocks(x, expert_ids, expert_weights, weights, hidden_fn, plan.block_size)
+
+
+def _torch_eager():
+    if keras.config.backend() != "torch":
+        return False
+    from keras_attn.ops.kernels import torch_experts
+
+    return torch_experts.eager()
 
 
 def _take(tensor, ids):
