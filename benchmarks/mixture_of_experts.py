@@ -198,7 +198,8 @@ def contenders(args, ids):
         return dense(x, scales, gate, up, down)
 
     named = {"dense, active parameters": (dense_run, False)}
-    named[f"grouped, plan ({plan.algorithm}, block {plan.block_size})"] = (
+    block = f", block {plan.block_size}" if plan.block_size else ""
+    named[f"grouped, plan ({plan.algorithm}{block})"] = (
         grouped(plan),
         False,
     )

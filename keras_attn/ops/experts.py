@@ -4,11 +4,7 @@ kernels under `keras_attn.ops.kernels.experts` are private."""
 
 from keras import ops
 
-from keras_attn.ops.kernels.experts import (
-    ExpertWeights,
-    grouped_feedforward,
-    plan_experts,
-)
+from keras_attn.ops.kernels.experts import ExpertWeights, grouped_feedforward
 
 __all__ = ["ExpertWeights", "expert_feedforward"]
 
@@ -19,7 +15,8 @@ def expert_feedforward(x, expert_ids, expert_weights, weights, hidden_fn):
 
     `FFN_e(x) = hidden_fn(x Wg_e + bg_e, x W1_e + b1_e) W2_e + b2_e` (the
     gate `None` for a plain network). The algorithm is `plan_experts`'
-    choice for the static shapes; where the number of tokens is unknown
+    choice for the static shapes (eager PyTorch: one matrix product per
+    expert on its sorted rows); where the number of tokens is unknown
     when traced (a graph traced for any batch), every expert runs on every
     token, weighted by zero where it was not chosen: the same numbers, at
     `E / k` times the work.
@@ -44,11 +41,11 @@ def expert_feedforward(x, expert_ids, expert_weights, weights, hidden_fn):
     [8.0, 8.0]
     """
     num_tokens, top_k = expert_ids.shape
-    num_experts = weights.intermediate.shape[0]
     if num_tokens is None:
         return _every_expert(x, expert_ids, expert_weights, weights, hidden_fn)
-    plan = plan_experts(num_tokens, top_k, num_experts)
-    return grouped_feedforward(x, expert_ids, expert_weights, weights, hidden_fn, plan)
+    # `grouped_feedforward` asks `plan_experts`, knowing whether this call
+    # may read its group sizes to the host (eager PyTorch).
+    return grouped_feedforward(x, expert_ids, expert_weights, weights, hidden_fn)
 
 
 def _every_expert(x, expert_ids, expert_weights, weights, hidden_fn):

@@ -148,10 +148,10 @@ def test_the_layer_against_its_own_weights_and_the_contract(tmp_path):
         num_heads=HEADS, num_key_value_heads=KV_HEADS, key_dim=4,
         sliding_window=3, use_sink_logits=True,
     )  # fmt: skip
-    layer = keras_attn.MultiHeadAttention(**arguments)
+    layer = keras_attn.MultiHeadAttention(**arguments, name="attention")
     x = random_floats(2, 7, 10, seed=3)
     layer.build(x.shape)
-    assert layer.sink_logits.path == "multi_head_attention/sink_logits"
+    assert layer.sink_logits.path == "attention/sink_logits"
     np.testing.assert_array_equal(to_numpy(layer.sink_logits), np.zeros(HEADS))
     layer.sink_logits.assign(SINKS)
     out = layer(x, use_causal_mask=True)
