@@ -212,6 +212,29 @@ def test_the_default_plan_sorts_in_eager_pytorch_only():
         np.testing.assert_allclose(to_numpy(out), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's CUDA graphs")
+def test_no_host_read_while_a_cuda_graph_is_captured(monkeypatch):
+    """A CPU double of the CUDA-graph rule: a synchronizing call (`.tolist()`,
+    `.item()`) is not allowed during capture (PyTorch's "CUDA Graphs"
+    notes, "Constraints"), so the sorted path must stand down there."""
+    import torch
+
+    from keras_attn.ops.kernels import torch_experts
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not torch_experts.eager()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sorted path ran during a capture")
+
+    monkeypatch.setattr(torch_experts, "grouped_feedforward", refuse)
+    x, ids, scales, w = inputs(11, 2, "unbalanced")
+    out = grouped_feedforward(x, ids, scales, w, keras_hidden)
+    expected = numpy_reference(x, ids, scales, w)
+    np.testing.assert_allclose(to_numpy(out), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_a_given_block_size_is_kept():
     plan = plan_experts(2, 1, 8, block_size=3)
     assert (plan.algorithm, plan.block_size) == ("blocks", 3)
