@@ -264,18 +264,21 @@ class TransformerBlock(ConfigCheck, keras.layers.Layer):
         x = self._add_residual(x, outputs[0], norms, training)
         return x, scores, cache
 
-    def _feedforward_residual(self, x, training, calls=call_sublayer):
+    def _feedforward_residual(self, x, training, calls=call_sublayer, padding=None):
         """`W_2 activation(W_1 x + b_1) + b_2`, or gated `W_2 (activation(W_g x)
         * W_1 x)` (SwiGLU with silu, GeGLU with gelu), with its residual.
         `calls`: how sublayers are called (`call_sublayer`, or a decoding's
         `SublayerCalls`). With `feedforward`, that layer instead of the
         matrices (in training with the training flag, so that it adds its
-        losses)."""
+        losses, and `padding`, bool `(batch, length)`, so that they and its
+        load count real tokens only)."""
         norm = self.feedforward_layer_norm
         hidden = calls(norm, x) if self.normalize_first else x
         if self.feedforward is not None:
             if training:
-                output = call_sublayer(self.feedforward, hidden, training=True)
+                output = call_sublayer(
+                    self.feedforward, hidden, training=True, mask=padding
+                )
             else:
                 output = calls(self.feedforward, hidden)
             return self._add_residual(

@@ -97,6 +97,9 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
     Call arguments:
         inputs: float tensor `(batch, length, width)`.
         training: bool. Adds the losses and records `expert_load`.
+        mask: optional bool `(batch, length)`, False for padding tokens,
+            which the losses and `expert_load` leave out (the blocks pass
+            their padding mask).
 
     Returns:
         Tensor of the input's shape.
@@ -201,6 +204,14 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
                     f"`{name}` needs `router='sigmoid'` (DeepSeek-V3's router). "
                     f"Received: {name}={value!r}, router={self.router_kind!r}."
                 )
+        if self.load_balancing_loss and self.router_kind == "sigmoid":
+            raise ValueError(
+                "`load_balancing_loss` is Switch's loss over a softmax's top-k, "
+                "and the 'sigmoid' router chooses otherwise (its correction "
+                "bias and groups balance the load instead, as DeepSeek-V3's "
+                f"does). Received: load_balancing_loss={self.load_balancing_loss}, "
+                "router='sigmoid'. Pass load_balancing_loss=0.0."
+            )
         self._check_groups()
 
     def _check_groups(self):
@@ -233,8 +244,12 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
     def build(self, inputs_shape):
         check_rank("inputs", inputs_shape, 3, "(batch, length, width)")
         width = inputs_shape[-1]
+        # DeepSeek-V3's sigmoid router and its correction bias are float32
+        # whatever the model's dtype (transformers' DeepseekV3TopkRouter):
+        # a bfloat16 logit would change which experts are chosen.
+        float32 = self.router_kind == "sigmoid"
         self.router = self._dense(
-            "router", self.num_experts, width, self.use_router_bias
+            "router", self.num_experts, width, self.use_router_bias, float32
         )
         self._add_experts(width)
         self.score_correction_bias = None
@@ -243,6 +258,7 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
                 name="score_correction_bias",
                 shape=(self.num_experts,),
                 initializer="zeros",
+                dtype="float32",
                 trainable=False,
             )
         self.expert_load = self.add_weight(
@@ -302,19 +318,19 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
         )
         self.shared_output_dense = self._dense("shared_output_dense", width, hidden)
 
-    def _dense(self, name, units, input_width, use_bias=None):
+    def _dense(self, name, units, input_width, use_bias=None, float32=False):
         dense = keras.layers.Dense(
             units,
             use_bias=self.use_bias if use_bias is None else use_bias,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
-            dtype=leaf_dtype(self, name),
+            dtype="float32" if float32 else leaf_dtype(self, name),
             name=name,
         )
         dense.build((None, input_width))
         return dense
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, mask=None):
         width = self.intermediate_kernel.shape[1]
         check_width("inputs", inputs.shape, width)
         x = ops.reshape(inputs, (-1, width))  # (N, D)
@@ -326,8 +342,11 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
         if self.num_shared_experts:
             out = out + self._shared(x)
         if training:
-            self._add_losses(logits)
-            self._record_load(ids)
+            real = (
+                None if mask is None else ops.reshape(ops.cast(mask, "float32"), (-1,))
+            )
+            self._add_losses(logits, real)
+            self._record_load(ids, real)
         return ops.reshape(out, ops.shape(inputs))
 
     def route(self, logits):
@@ -381,16 +400,19 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
             gate = call_sublayer(self.shared_gate_dense, x)
         return call_sublayer(self.shared_output_dense, self._hidden(gate, up))
 
-    def _add_losses(self, logits):
+    def _add_losses(self, logits, real):
+        """`real`: float `(N,)`, 0 for padding tokens (left out), or None."""
         if self.load_balancing_loss:
-            loss = routing.load_balancing_loss(logits, self.top_k)
+            loss = routing.load_balancing_loss(logits, self.top_k, real)
             self.add_loss(self.load_balancing_loss * loss)
         if self.router_z_loss:
-            self.add_loss(self.router_z_loss * routing.router_z_loss(logits))
+            self.add_loss(self.router_z_loss * routing.router_z_loss(logits, real))
 
-    def _record_load(self, ids):
-        chosen = ops.one_hot(ops.reshape(ids, (-1,)), self.num_experts, dtype="float32")
-        self.expert_load.assign(ops.sum(chosen, axis=0))
+    def _record_load(self, ids, real):
+        chosen = ops.one_hot(ids, self.num_experts, dtype="float32")  # (N, k, E)
+        if real is not None:
+            chosen = chosen * real[:, None, None]
+        self.expert_load.assign(ops.sum(chosen, axis=(0, 1)))
 
     def compute_output_shape(self, inputs_shape):
         return inputs_shape

@@ -221,7 +221,8 @@ class TransformerDecoder(TransformerBlock):
                 x, args
             )
             scores, caches = scores + (cross_scores,), caches + (cross_attention_cache,)
-        x = self._feedforward_residual(x, training)
+        padding = to_bool(args.decoder_padding)
+        x = self._feedforward_residual(x, training, padding=padding)
         outputs = (x,) + (scores if return_attention_scores else ())
         outputs += caches if self_attention_cache is not None else ()
         return outputs[0] if len(outputs) == 1 else outputs

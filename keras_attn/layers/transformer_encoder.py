@@ -121,7 +121,7 @@ class TransformerEncoder(TransformerBlock):
             attention_bias=attention_bias,
             segment_ids=segment_ids,
         )
-        x = self._feedforward_residual(x, training)
+        x = self._feedforward_residual(x, training, padding=padding_mask)
         return (x, scores) if return_attention_scores else x
 
     def _check_call(

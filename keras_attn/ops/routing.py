@@ -84,23 +84,33 @@ def _keep_groups(choice, num_groups, top_k_groups):
     return ops.where(kept, choice, ops.cast(-3.4028235e38, "float32"))
 
 
-def load_balancing_loss(logits, top_k):
+def load_balancing_loss(logits, top_k, real=None):
     """Switch Transformer's load-balancing loss for one layer, as
     `transformers`' `load_balancing_loss_func` computes it:
     `E * sum_e f_e P_e`, `f_e` the mean over tokens and the `k` slots of
     expert `e` being in a token's top-`k` of the softmax, `P_e` the mean
-    softmax probability of `e`. `logits` `(N, E)`; a float32 scalar."""
+    softmax probability of `e`. `logits` `(N, E)`; `real`: optional float
+    `(N,)`, 1 for real tokens and 0 for padding, which the means leave out
+    (its `attention_mask`). A float32 scalar."""
     probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)  # (N, E)
     num_experts = probs.shape[-1]
     _, ids = ops.top_k(probs, top_k)  # (N, k)
     chosen = ops.one_hot(ids, num_experts, dtype="float32")  # (N, k, E)
-    tokens_per_expert = ops.mean(chosen, axis=0)  # (k, E)
-    prob_per_expert = ops.mean(probs, axis=0)  # (E,)
+    tokens_per_expert = _mean_over_tokens(chosen, real)  # (k, E)
+    prob_per_expert = _mean_over_tokens(probs, real)  # (E,)
     return ops.sum(tokens_per_expert * prob_per_expert[None, :]) * num_experts
 
 
-def router_z_loss(logits):
+def router_z_loss(logits, real=None):
     """ST-MoE's router z-loss (Zoph et al. 2022):
-    `mean(logsumexp(logits)^2)` over tokens; a float32 scalar."""
+    `mean(logsumexp(logits)^2)` over the (real) tokens; a float32 scalar."""
     z = ops.logsumexp(ops.cast(logits, "float32"), axis=-1)  # (N,)
-    return ops.mean(ops.square(z))
+    return _mean_over_tokens(ops.square(z), real)
+
+
+def _mean_over_tokens(values, real):
+    """The mean over the first axis, of the rows `real` marks (all without)."""
+    if real is None:
+        return ops.mean(values, axis=0)
+    weights = ops.reshape(real, (-1,) + (1,) * (len(values.shape) - 1))
+    return ops.sum(values * weights, axis=0) / ops.maximum(ops.sum(real), 1.0)

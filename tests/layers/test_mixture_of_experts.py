@@ -470,3 +470,38 @@ def test_block_checks_width_after_build():
     block(random_floats(1, 3, WIDTH))
     with pytest.raises(ValueError, match="width"):
         block(random_floats(1, 3, WIDTH + 2))
+
+
+def test_padding_is_left_out_of_the_losses_and_the_load():
+    """Padding tokens route too, but the losses and `expert_load` are means
+    and counts over the real tokens only (transformers' `attention_mask` in
+    `load_balancing_loss_func`); a block passes its padding mask."""
+    moe = MixtureOfExperts(4, 8, 2, load_balancing_loss=1.0, router_z_loss=1.0)
+    x = random_floats(2, 5, WIDTH, seed=11)
+    real = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    moe(x, training=True, mask=real)
+    padded = [float(to_numpy(loss)) for loss in moe.losses]
+    padded_load = to_numpy(moe.expert_load)
+    moe(x[real][None], training=True)  # the 8 real tokens alone
+    np.testing.assert_allclose(
+        padded, [float(to_numpy(v)) for v in moe.losses[-2:]], rtol=1e-5
+    )
+    np.testing.assert_array_equal(padded_load, to_numpy(moe.expert_load))
+    assert padded_load.sum() == 8 * 2
+    block = TransformerEncoder(None, 2, feedforward=MixtureOfExperts(4, 8, 2))
+    block(x, padding_mask=real, training=True)
+    assert to_numpy(block.feedforward.expert_load).sum() == 8 * 2
+
+
+def test_the_sigmoid_router_is_float32_and_refuses_switch_loss():
+    """DeepSeek-V3's router and correction bias stay float32 under a
+    bfloat16 policy (a bfloat16 logit would change the choice)."""
+    moe = MixtureOfExperts(
+        4, 8, 2, router="sigmoid", use_score_correction_bias=True, dtype="bfloat16"
+    )
+    moe.build((1, 3, WIDTH))
+    assert moe.router.dtype_policy.name == "float32"
+    assert moe.score_correction_bias.dtype == "float32"
+    assert moe.intermediate_kernel.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="load_balancing_loss=0.5"):
+        MixtureOfExperts(4, 8, 2, router="sigmoid", load_balancing_loss=0.5)

@@ -53,6 +53,11 @@ FAMILIES = {
         dict(SMALL, **EXPERTS, intermediate_size=8, num_key_value_heads=2,
              head_dim=4, sliding_window=4),
     ),
+    "gpt_oss_no_bias": (  # attention_bias read, not assumed
+        "GptOssConfig",
+        dict(SMALL, **EXPERTS, intermediate_size=8, num_key_value_heads=2,
+             head_dim=4, sliding_window=4, attention_bias=False),
+    ),
     "deepseek_v3": (
         "DeepseekV3Config",
         dict(SMALL, intermediate_size=24, moe_intermediate_size=8,

@@ -82,6 +82,7 @@ DEFAULTS = {
         "max_window_layers": 28,
     },
     "gpt_oss": {
+        "attention_bias": True,
         "rms_norm_eps": 1e-5,
         "sliding_window": 128,
         "swiglu_limit": 7.0,

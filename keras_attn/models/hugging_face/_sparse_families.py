@@ -198,10 +198,8 @@ def _gpt_oss(config, dtype):
             link(f"{fused}down_proj_bias", f"{moe}output_bias"),
         ]
 
-    config.get("attention_bias")  # gpt-oss's projections always have biases
     return _llama_like(
-        config, dtype, tied=False, windows=_gpt_oss_windows,
-        attention_bias=True, output_bias=True, mlp_bias=False,
+        config, dtype, tied=False, windows=_gpt_oss_windows, mlp_bias=False,
         adapt=adapt, sublayer_links=links,
     )  # fmt: skip
 
