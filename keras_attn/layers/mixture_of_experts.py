@@ -15,7 +15,12 @@ from keras_attn._checks import (
     get_keras_object,
 )
 from keras_attn.layers._lean_call import call_sublayer
-from keras_attn.layers._machinery import ConfigCheck, clone_initializer, leaf_dtype
+from keras_attn.layers._machinery import (
+    ConfigCheck,
+    all_layers,
+    clone_initializer,
+    leaf_dtype,
+)
 from keras_attn.ops import routing
 from keras_attn.ops.experts import ExpertWeights, expert_feedforward
 
@@ -462,6 +467,17 @@ class MixtureOfExperts(ConfigCheck, keras.layers.Layer):
             }
         )
         return config
+
+
+def state_paths(model):
+    """The paths of `model`'s variables that are state a training step
+    computes, not weights a checkpoint holds: each `MixtureOfExperts`'
+    `expert_load`. Converters leave them at their initial value."""
+    return {
+        layer.expert_load.path
+        for layer in all_layers(model)
+        if isinstance(layer, MixtureOfExperts) and layer.built
+    }
 
 
 def _coefficient(name, value):

@@ -286,8 +286,7 @@ def _moe_names(index, **theirs):
         names.append(
             (f"transformer_layer_{index}/feedforward/{path}", weight.path, transform)
         )
-    # The token counts per expert our layer records in training.
-    return names + [(f"transformer_layer_{index}/feedforward/expert_load", None, None)]
+    return names
 
 
 def _load_balancing(config, key):

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 
 from keras_attn.layers._machinery import quantized_layers
+from keras_attn.layers.mixture_of_experts import state_paths
 from keras_attn.models._config_entries import ConfigEntries
 from keras_attn.models._hub_parts import (
     LLAMA_BLOCK,
@@ -163,10 +164,11 @@ class _Config(ConfigEntries):
 def copy_weights(ours, backbone, names):
     """Assign `backbone`'s weights to `ours`: `names` is a list of `(our path,
     their path, transform or None)`; every weight of each side takes part
-    exactly once, or a `ValueError` names the ones left over. Their path
-    None marks a state variable of ours keras-hub has no counterpart of (an
-    experts' load record), left at its initial value."""
-    mine = {w.path: w for w in ours.weights}
+    exactly once, or a `ValueError` names the ones left over. Our state
+    variables (`state_paths`: an experts' load record) have no counterpart
+    and keep their initial value."""
+    state = state_paths(ours)
+    mine = {w.path: w for w in ours.weights if w.path not in state}
     theirs = {w.path: w for w in backbone.weights}
     left_mine = sorted(set(mine) - {o for o, _, _ in names})
     left_theirs = sorted(set(theirs) - {t for _, t, _ in names})
@@ -176,8 +178,6 @@ def copy_weights(ours, backbone, names):
             f"{left_theirs}, keras_attn's {left_mine}."
         )
     for our_path, their_path, transform in names:
-        if their_path is None:
-            continue
         value = keras.ops.convert_to_numpy(theirs[their_path])
         mine[our_path].assign(transform(value) if transform else value)
 

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 
+from keras_attn.layers.mixture_of_experts import state_paths
 from keras_attn.models.decoder_lm import decoder_lm
 from keras_attn.models.hugging_face._config import HFConfig
 from keras_attn.models.hugging_face._files import (
@@ -87,7 +88,8 @@ def from_hugging_face(path, dtype=None):
             "policy ('mixed_bfloat16')."
         )
     model = decoder_lm(spec, name=f"{config.family}_keras_attn")
-    shapes = {v.path: tuple(v.shape) for v in model.weights if not _state(v)}
+    state = state_paths(model)
+    shapes = {v.path: tuple(v.shape) for v in model.weights if v.path not in state}
     names = _resolve(links, shapes, checkpoint, mtp_layers(config))
     _check_tied_copy(links, names, checkpoint)
     _assign(links, names, {v.path: v for v in model.weights}, checkpoint)
@@ -165,12 +167,6 @@ def _resolve(links, shapes, checkpoint, unread=()):
             + ". Nothing was loaded."
         )
     return names
-
-
-def _state(variable):
-    """Whether `variable` is state a step computes, which no checkpoint holds
-    (`MixtureOfExperts.expert_load`: the last call's tokens per expert)."""
-    return variable.path.endswith("/expert_load")
 
 
 def _check_links(links, shapes):
