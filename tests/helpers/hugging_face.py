@@ -45,6 +45,7 @@ TINY = {
 # Longer than every tiny window, so a window changes the logits.
 TOKENS = np.random.default_rng(2).integers(1, VOCABULARY, (2, 11)).astype("int32")
 DELETE = object()
+EXACT = dict(attn_implementation="eager")  # see `reference_model`
 
 
 def tiny_causal_lm(config_class, dtype="float32", **kwargs):
@@ -56,7 +57,7 @@ def tiny_causal_lm(config_class, dtype="float32", **kwargs):
 
     config = getattr(transformers, config_class)(**kwargs)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config, **EXACT)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for weight in model.parameters():
@@ -124,12 +125,21 @@ def edit_tensors(folder, edit):
     return folder
 
 
-def their_logits(folder, token_ids=TOKENS):
-    """The logits of transformers' model of `folder`."""
+def reference_model(folder, **kwargs):
+    """transformers' causal LM of `folder`, in eval mode, computing attention
+    in its eager (written-out) form: the SDPA form drops Gemma 2's logit
+    soft-cap in transformers <= 5.17 (`_supports_sdpa` was True there; an
+    H100 run with 5.17 failed our Gemma 2 tests on that alone)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    return transformers_logits(model, token_ids)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, **EXACT, **kwargs
+    ).eval()
+
+
+def their_logits(folder, token_ids=TOKENS):
+    """The logits of transformers' model of `folder`."""
+    return transformers_logits(reference_model(folder), token_ids)
 
 
 def our_logits(folder, token_ids=TOKENS):

@@ -284,6 +284,8 @@ def test_matches_gpt_oss():
     module.experts.gate_up_proj_bias = torch_of(fused_bias)
     module.experts.down_proj = torch_of(to_numpy(layer.output_kernel))
     module.experts.down_proj_bias = torch_of(to_numpy(layer.output_bias))
+    # transformers <= 5.17 fixed the clamp at 7.0 whatever the config said.
+    module.experts.limit = 1.5
     assert_same_output(layer, module)
 
 

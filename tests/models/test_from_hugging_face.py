@@ -17,6 +17,7 @@ from tests.helpers.hugging_face import (
     VOCABULARY,
     assert_same_greedy,
     assert_same_logits,
+    reference_model,
     tiny_causal_lm,
     transformers_logits,
     write_folders,
@@ -130,9 +131,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family, folders):
 def test_bfloat16_checkpoints_give_the_same_logits_and_tokens(family, tmp_path):
     """bfloat16 files (ml-dtypes' arrays), computed in float32 on both sides."""
     transformers_model(family, "bfloat16").save_pretrained(tmp_path)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.float32
-    )
+    reference = reference_model(tmp_path, dtype=torch.float32)
     model = from_hugging_face(tmp_path, dtype="float32")
     expected = transformers_logits(reference, TOKENS)
     assert_same_logits(to_numpy(model(TOKENS)), expected)
@@ -160,7 +159,7 @@ def test_to_hugging_face_round_trips_through_transformers(family, folders, tmp_p
         model, tmp_path / "hf", max_position_embeddings=limit
     )
     assert written == WRITTEN_AS[family]
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    theirs = reference_model(tmp_path / "hf")
     assert_same_logits(
         transformers_logits(theirs, TOKENS), transformers_logits(reference, TOKENS)
     )
@@ -174,7 +173,7 @@ def test_phi3_written_fused_when_asked(folders, tmp_path):
         model, tmp_path, "phi3", max_position_embeddings=64
     )
     assert written == "phi3"
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    theirs = reference_model(tmp_path)
     assert_same_logits(
         transformers_logits(theirs, TOKENS), transformers_logits(reference, TOKENS)
     )
@@ -192,7 +191,7 @@ def test_a_fine_tuned_model_goes_back_with_lora_merged(folders, tmp_path):
     keras_attn.models.to_hugging_face(
         model, tmp_path / "hf", dtype="float32", max_position_embeddings=64
     )
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    theirs = reference_model(tmp_path / "hf")
     assert_same_logits(transformers_logits(theirs, TOKENS), ours)
     model.save(tmp_path / "model.keras")
     reloaded = keras.models.load_model(tmp_path / "model.keras")

@@ -26,6 +26,7 @@ from tests.helpers.hugging_face import (
     edit_config,
     edit_tensors,
     our_logits,
+    reference_model,
     their_logits,
     write_tiny,
 )
@@ -326,7 +327,7 @@ def test_a_bfloat16_model_is_written_in_bfloat16(saved, tmp_path):
     with safe_open(tmp_path / "model.safetensors", framework="numpy") as file:
         dtypes = {file.get_slice(name).get_dtype() for name in file.keys()}
     assert dtypes == {"BF16"}
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    theirs = reference_model(tmp_path)
     assert theirs.dtype == torch.bfloat16
 
 
