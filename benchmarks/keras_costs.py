@@ -220,7 +220,11 @@ def main(argv=None):
         parser.error("run it with KERAS_BACKEND=torch")
     calls, steps, warmup = (2, 1, 1) if args.quick else (args.calls, args.steps, 5)
     load = os.getloadavg()[0]
-    rows = measure(calls, steps, warmup)
+    # A CPU benchmark on any machine: on a GPU, Keras would put its weights
+    # there and the native peers' tensors would stay here (the H100 run of
+    # 2026-11-28 mixed the two and failed).
+    with keras.device("cpu"):
+        rows = measure(calls, steps, warmup)
     load = max(load, os.getloadavg()[0])
     command = "KERAS_BACKEND=torch OMP_NUM_THREADS=" + os.environ.get(
         "OMP_NUM_THREADS", "<unset>"

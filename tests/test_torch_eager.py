@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.helpers.backend import BACKEND, to_numpy
+from tests.helpers.backend import BACKEND, to_numpy, torch_tensor
 from tests.helpers.builders import random_floats
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's own calls")
@@ -70,7 +70,6 @@ def test_what_keras_would_cast_is_left_to_it():
 def test_shapes_torch_einsum_refuses_still_raise(equation, x_shape, kernel_shape):
     """A matmul of flattened axes would compute something for these; Keras'
     einsum raises, and so does the projection."""
-    import torch
 
     from keras_attn import _torch_eager as torch_eager
 
@@ -78,7 +77,7 @@ def test_shapes_torch_einsum_refuses_still_raise(equation, x_shape, kernel_shape
     with pytest.raises(RuntimeError):
         keras.ops.einsum(equation, x, kernel)
     with pytest.raises(RuntimeError):
-        torch_eager.projection(torch.tensor(x), torch.tensor(kernel), None, equation)
+        torch_eager.projection(torch_tensor(x), torch_tensor(kernel), None, equation)
 
 
 def _permuted(*axes):
@@ -106,19 +105,18 @@ def test_products_of_strided_inputs_give_keras_numbers_and_gradients(
     """The product runs as a `torch.mm` of views; a strided input, and a
     kernel with or without gradients (where `torch.matmul` may take a batched
     product), give Keras' op's outputs and gradients bit for bit."""
-    import torch
 
     from keras_attn import _torch_eager as torch_eager
 
     def run(product):
-        x = torch.tensor(random_floats(*x_shape, seed=1), requires_grad=True)
-        kernel = torch.tensor(
+        x = torch_tensor(random_floats(*x_shape, seed=1), requires_grad=True)
+        kernel = torch_tensor(
             random_floats(*kernel_shape, seed=2), requires_grad=trainable
         )
         y = product(x if view is None else view(x), kernel)
-        y.backward(torch.tensor(random_floats(*y.shape, seed=3)))
+        y.backward(torch_tensor(random_floats(*y.shape, seed=3)))
         grads = (x.grad, kernel.grad if trainable else x.grad)
-        return [t.detach().numpy() for t in (y, *grads)]
+        return [to_numpy(t.detach()) for t in (y, *grads)]
 
     def keras_op(x, kernel):
         if equation is None:
@@ -134,12 +132,11 @@ def test_constants_are_keras_tensors_made_without_walking_the_list(monkeypatch):
     """`constant` gives what Keras' `convert_to_tensor` of the list gives;
     the sinusoids, rotations and ALiBi make their constants with it, never through
     Keras' conversion of a list (about 300 us each on a CPU)."""
-    import torch
 
     import keras_attn
     from keras_attn import _torch_eager as torch_eager
 
-    like = torch.zeros(1)
+    like = torch_tensor([0.0])
     floats = [10000.0 ** -(c / 7) for c in range(7)]
     for values, dtype in ((floats, "float32"), ([True, False, True], "bool")):
         ours = torch_eager.constant(values, dtype, like)

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from keras_attn.generation import generate
-from tests.helpers.backend import BACKEND
+from tests.helpers.backend import BACKEND, to_numpy, torch_tensor
 from tests.helpers.builders import GENERATION_VOCAB as VOCAB
 from tests.helpers.builders import GENERATION_WIDTH as WIDTH
 from tests.helpers.builders import decoder_only_model, encoder_decoder_model
+from tests.helpers.doubles import compile_with_inductor
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "torch", reason="PyTorch's compiled step (jit_compile=True)"
@@ -52,10 +53,11 @@ def test_an_eager_torch_step_writes_its_caches_in_place():
     adapter = ModelAdapter(GraphPlan(decoder_only_model(VOCAB, WIDTH)), 8)
     calls = SublayerCalls()
     with torch.no_grad():
-        pads = torch.zeros(2, dtype=torch.int32)
-        _, state = adapter.prefill(torch.tensor(PROMPTS), pads, [], 8, calls)
+        pads = torch_tensor([0, 0], dtype=torch.int32)
+        _, state = adapter.prefill(torch_tensor(PROMPTS), pads, [], 8, calls)
         caches = [cache.kv for cache in state["caches"]]
-        token, index = torch.tensor([1, 2]), torch.tensor(4, dtype=torch.int32)
+        token = torch_tensor([1, 2])
+        index = torch_tensor(4, dtype=torch.int32)
         _, state = adapter.step(token, index, state, calls)
     kept = [cache.kv for cache in state["caches"]]
     assert all(a is b for a, b in zip(kept, caches, strict=True))
@@ -126,6 +128,7 @@ def test_the_step_compiles_once_for_a_generate_shape(monkeypatch):
         return compile_(model, backend=counter, dynamic=dynamic)
 
     monkeypatch.setattr(torch, "compile", counted)
+    compile_with_inductor(monkeypatch)
     torch._dynamo.reset()
     model = decoder_only_model(VOCAB, WIDTH)
     try:
@@ -154,8 +157,8 @@ def test_returned_tokens_are_not_the_compiled_steps_buffers(cuda_graphs, monkeyp
     model = decoder_only_model(VOCAB, WIDTH)
     first = generate(model, PROMPTS, 12, jit_compile=True, return_scores=True)
     generate(model, PROMPTS[::-1], 12, jit_compile=True, return_scores=True)
-    np.testing.assert_array_equal(returned[0]["tokens"].numpy(), first[0])
-    np.testing.assert_array_equal(returned[0]["scores"].numpy(), first[1])
+    np.testing.assert_array_equal(to_numpy(returned[0]["tokens"]), first[0])
+    np.testing.assert_array_equal(to_numpy(returned[0]["scores"]), first[1])
 
 
 def test_auto_captures_a_cuda_graph_once_eager_steps_cost_more(

@@ -4,6 +4,7 @@ numpy, and its own autodiff."""
 import importlib.util
 
 import keras
+import numpy as np
 import pytest
 
 from tests.helpers.builders import random_floats
@@ -85,6 +86,27 @@ def has_fused_kernel(batch, length, heads, head_dim):
 
 def to_numpy(x):
     return keras.ops.convert_to_numpy(x)
+
+
+def groups_repeated_here():
+    """The plan's rule where Keras computes now, in float32: grouped heads
+    repeated on PyTorch on a GPU (`plan._repeat_groups`; an H100 run of the
+    suite, 2026-11-28, followed it)."""
+    from keras_attn.ops import plan
+
+    platform = plan.platform_of(keras.ops.zeros((1,)))
+    return plan._repeat_groups(BACKEND, platform, "float32")
+
+
+def torch_tensor(x, dtype=None, requires_grad=False):
+    """`x` as a torch tensor on the device Keras computes on: a GPU where
+    there is one (tests that built theirs on the CPU failed on an H100,
+    2026-11-28, beside Keras' weights on `cuda:0`)."""
+    import torch
+
+    device = keras.ops.convert_to_tensor(0.0).device
+    tensor = torch.as_tensor(np.asarray(x), dtype=dtype, device=device)
+    return tensor.requires_grad_(requires_grad)
 
 
 def flat_numpy(outputs):

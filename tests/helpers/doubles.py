@@ -126,7 +126,18 @@ def hold_compiled_steps_to_cuda_graphs(monkeypatch):
 
     monkeypatch.setattr(torch_generation.torch, "compile", compile_)
     monkeypatch.setattr(torch_generation, "replays_cuda_graphs", lambda device: True)
+    compile_with_inductor(monkeypatch)
     return replays
+
+
+def compile_with_inductor(monkeypatch):
+    """`jit_compile` compiles `generate`'s PyTorch steps with Inductor on any
+    device: on a real GPU `"auto"` would capture CUDA graphs instead
+    (`loop._form`), and the Inductor path these doubles hold would go
+    untested (an H100 run, 2026-11-28: no compile seen)."""
+    from keras_attn.generation import loop
+
+    monkeypatch.setattr(loop, "_form", lambda state: "inductor")
 
 
 # Ops a CUDA graph cannot capture (NVIDIA's "CUDA Graphs" guide, "Quick

@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 
 import keras_attn
-from tests.helpers.backend import BACKEND, require
+from tests.helpers.backend import (
+    BACKEND,
+    groups_repeated_here,
+    require,
+    to_numpy,
+    torch_tensor,
+)
 
 VOCAB = 50
 DYNAMIC = [keras.InputSpec(shape=(None, None), dtype="int32", name="token_ids")]
@@ -84,7 +90,7 @@ def run_torch(path):
     import torch
 
     program = torch.export.load(path).module()
-    return lambda ids: program(torch.from_numpy(ids)).detach().numpy()
+    return lambda ids: to_numpy(program(torch_tensor(ids)).detach())
 
 
 RUNNERS = {
@@ -200,6 +206,10 @@ def test_keras_cannot_export_this_yet(model, format, signature, tmp_path):
     if format != "litert":  # its refusal on torch is the missing package
         require(*NEEDS[format])
     error, message = REFUSED[(BACKEND, format, signature)]
+    if (BACKEND, format) == ("torch", "onnx") and groups_repeated_here():
+        # No `enable_gqa` to fail on (a GPU in float32): the exporter fails on
+        # a node, as for Keras' own layer (an H100, 2026-11-28).
+        error, message = RuntimeError, "Failed to export a node"
     suffix, _ = RUNNERS[format]
     path = str(tmp_path / f"model{suffix}")
     with pytest.raises(error, match=message):

@@ -9,7 +9,12 @@ import pytest
 
 import keras_attn
 from keras_attn import MultiHeadAttention, TransformerDecoder, TransformerEncoder
-from tests.helpers.backend import BACKEND, has_fused_kernel, to_numpy
+from tests.helpers.backend import (
+    BACKEND,
+    groups_repeated_here,
+    has_fused_kernel,
+    to_numpy,
+)
 from tests.helpers.builders import random_floats
 from tests.helpers.contract import run_layer_contract
 from tests.helpers.references import attention_reference, masking_bias
@@ -521,7 +526,7 @@ def test_grouped_query_heads_reach_the_fused_kernel_unrepeated(fused_calls):
     if BACKEND == "tensorflow":  # no fused TensorFlow kernel: the explicit path
         assert fused_calls == []
     else:
-        assert fused_calls == [(3, 5, 2, 4)]
+        assert fused_calls == [(3, 5, 6 if groups_repeated_here() else 2, 4)]
 
 
 ON_TORCH = pytest.mark.skipif(
@@ -536,7 +541,6 @@ def test_torch_receives_causal_grouped_attention_in_its_own_form(sdpa_calls, pad
     arrive unrepeated (but on a GPU in float32, where the plan repeats them:
     `tests/ops/test_plan.py`); no kernel is pinned; a padding mask keeps a
     fused kernel (torch's CPU flash kernel here)."""
-    import torch
     from torch.nn.attention import SDPBackend
 
     layer = MultiHeadAttention(8, key_dim=4, num_key_value_heads=2)
@@ -544,7 +548,7 @@ def test_torch_receives_causal_grouped_attention_in_its_own_form(sdpa_calls, pad
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool) if padding else None
     layer(x, query_mask=mask, use_causal_mask=True)
     (call,) = sdpa_calls
-    repeated = torch.cuda.is_available()  # Keras computes on the GPU then
+    repeated = groups_repeated_here()
     key_heads = 8 if repeated else 2
     assert (call["query"], call["key"]) == ((2, 8, 5, 4), (2, key_heads, 5, 4))
     assert call["enable_gqa"] is not repeated and not call["pinned"]
@@ -562,8 +566,10 @@ def test_torch_reads_a_grouped_cache_in_place(sdpa_calls):
     cache = layer.get_empty_cache(2, 6)
     layer(x, use_causal_mask=True, cache=cache, cache_update_index=2)
     (call,) = sdpa_calls
-    assert (call["query"], call["key"]) == ((2, 8, 1, 4), (2, 2, 6, 4))
-    assert call["enable_gqa"] and not call["pinned"]
+    repeated = groups_repeated_here()
+    key_heads = 8 if repeated else 2
+    assert (call["query"], call["key"]) == ((2, 8, 1, 4), (2, key_heads, 6, 4))
+    assert call["enable_gqa"] is not repeated and not call["pinned"]
 
 
 @ON_TORCH

@@ -16,6 +16,7 @@ from tests.helpers.backend import (
     BACKEND,
     compiled_value_and_gradients,
     to_numpy,
+    torch_tensor,
     value_and_gradients,
 )
 from tests.helpers.builders import random_floats
@@ -208,7 +209,7 @@ def test_the_default_plan_sorts_in_eager_pytorch_only():
         lambda *a: grouped_feedforward(*a, w, keras_hidden),
         torch.compile(lambda *a: grouped_feedforward(*a, w, keras_hidden)),
     ):
-        out = run(*(torch.as_tensor(a) for a in (x, ids, scales)))
+        out = run(*(torch_tensor(a) for a in (x, ids, scales)))
         np.testing.assert_allclose(to_numpy(out), expected, atol=1e-5, rtol=1e-5)
 
 

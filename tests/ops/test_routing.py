@@ -126,13 +126,12 @@ def test_every_expert_fallback_equals_grouped():
     from keras_attn.ops.experts import _every_expert
 
     x = random_floats(N, 5, seed=3)
-    weights = ExpertWeights(
-        random_floats(E, 5, 7, seed=4),
-        random_floats(E, 7, 5, seed=5),
-        random_floats(E, 5, 7, seed=6),
-        random_floats(E, 7, seed=7),
-        random_floats(E, 7, seed=8),
-        random_floats(E, 5, seed=9),
+    shapes = [(E, 5, 7), (E, 7, 5), (E, 5, 7), (E, 7), (E, 7), (E, 5)]
+    weights = ExpertWeights(  # tensors, as the layer hands them (not numpy)
+        *(
+            keras.ops.convert_to_tensor(random_floats(*shape, seed=seed))
+            for seed, shape in enumerate(shapes, start=4)
+        )
     )
     route_weights, ids = routing.softmax_top_k(random_floats(N, E, seed=10), K)
 
