@@ -46,6 +46,7 @@ from keras_attn._checks.tensors import (
     concrete_value,
     dims_differ,
     exported_by_torch,
+    in_keras_step,
 )
 
 __all__ = [
@@ -80,5 +81,6 @@ __all__ = [
     "dims_differ",
     "exported_by_torch",
     "get_keras_object",
+    "in_keras_step",
     "normalize_attention_axes",
 ]

@@ -216,3 +216,15 @@ def decoder():
 def test_caches_of_impossible_sizes_are_refused(decoder, make, error, match):
     with pytest.raises(error, match=match):
         make(decoder)
+
+
+# --- LoRA on float8 -----------------------------------------------------------------
+
+
+def test_lora_on_a_float8_layer_is_refused_before_any_adapter():
+    layer = MultiHeadAttention(num_heads=2, key_dim=3)
+    inputs = keras.Input((3, W))
+    keras.Model(inputs, layer(inputs)).quantize("float8")
+    with pytest.raises(ValueError, match=r"LoRA cannot train on a float8 kernel"):
+        layer.enable_lora(2)
+    assert not layer.query_dense.lora_enabled
