@@ -24,6 +24,7 @@ from keras_attn._checks.arguments import (
     check_seed,
     check_shape_argument,
     check_size,
+    check_sizes,
     get_keras_object,
     normalize_attention_axes,
 )
@@ -32,6 +33,7 @@ from keras_attn._checks.tensors import (
     check_attention_inputs,
     check_attention_options,
     check_broadcastable,
+    check_fits,
     check_float,
     check_index,
     check_mask,
@@ -44,6 +46,7 @@ from keras_attn._checks.tensors import (
     concrete_value,
     dims_differ,
     exported_by_torch,
+    in_keras_step,
 )
 
 __all__ = [
@@ -53,6 +56,7 @@ __all__ = [
     "check_broadcastable",
     "check_config",
     "check_count",
+    "check_fits",
     "check_float",
     "check_heads_divide",
     "check_index",
@@ -70,11 +74,13 @@ __all__ = [
     "check_segment_ids_call",
     "check_shape_argument",
     "check_size",
+    "check_sizes",
     "check_width",
     "compiled_by_torch",
     "concrete_value",
     "dims_differ",
     "exported_by_torch",
     "get_keras_object",
+    "in_keras_step",
     "normalize_attention_axes",
 ]

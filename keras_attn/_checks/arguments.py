@@ -207,6 +207,13 @@ def check_size(name, value, ranks=(0,), minimum=0):
         )
 
 
+def check_sizes(**sizes):
+    """Raise unless each size (a dimension of a tensor to make, by argument
+    name) is an int >= 1, or a scalar int tensor (a traced dimension)."""
+    for name, value in sizes.items():
+        check_size(name, value, minimum=1)
+
+
 def check_heads_divide(num_heads, key_dim, width, name):
     """Raise unless `key_dim` is given or `num_heads` divides the known
     `width` of the input `name` (`"query"`, `"input"`)."""

@@ -8,6 +8,11 @@ from keras import ops
 
 from keras_attn._checks.arguments import check_bool, check_positive_float
 
+try:  # Keras' stateless scope: no public way to ask for it (Keras 3.15).
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+except ImportError:  # another Keras: values read as before
+    in_stateless_scope = None
+
 
 def check_rank(name, shape, rank, description):
     """Raise unless `shape` has `rank` dimensions."""
@@ -37,16 +42,47 @@ def check_width(name, shape, width):
 
 
 def check_mask(name, mask, expected_shape, broadcast=False):
-    """Raise unless `mask` fits `expected_shape`, dims compared where both are known.
+    """Raise unless the mask `mask` fits `expected_shape` (see `check_fits`)
+    and holds truth values.
 
-    `expected_shape` is a shape, or a dict `rank -> shape` for masks that may
-    come in several ranks. With `broadcast`, dims of size 1 are accepted.
+    Masks are read as Keras reads them, cast to bool (nonzero: True). A
+    float mask holding anything but 0 and 1 (a 0.3, an additive mask's
+    -inf, which the cast would make True) is refused where its values can
+    be read (eager calls); inside compiled graphs it is cast unchecked.
     """
     if mask is None:
         return
     if not hasattr(mask, "shape"):
         mask = ops.convert_to_tensor(mask)
-    shape = tuple(mask.shape)
+    check_fits(name, mask, expected_shape, broadcast)
+    if "float" not in keras.backend.standardize_dtype(mask.dtype):
+        return
+    values = concrete_value(mask)
+    if values is None:
+        return
+    bad = values[(values != 0) & (values != 1)]
+    if bad.size:
+        raise ValueError(
+            f"`{name}` is a mask: True (or 1) where attention may look, False "
+            f"(or 0) where not. Received: a float {name} holding {float(bad.flat[0]):g}"
+            f"{' among other values' if bad.size > 1 else ''}, which Keras' "
+            "cast to bool would make True. Pass a bool mask; an additive mask "
+            "(0 and -inf) is an attention bias: pass it as the call's bias."
+        )
+
+
+def check_fits(name, tensor, expected_shape, broadcast=False):
+    """Raise unless `tensor` fits `expected_shape`, dims compared where both
+    are known.
+
+    `expected_shape` is a shape, or a dict `rank -> shape` for tensors that
+    may come in several ranks. With `broadcast`, dims of size 1 are accepted.
+    """
+    if tensor is None:
+        return
+    if not hasattr(tensor, "shape"):
+        tensor = ops.convert_to_tensor(tensor)
+    shape = tuple(tensor.shape)
     shapes = (
         expected_shape
         if isinstance(expected_shape, dict)
@@ -108,7 +144,7 @@ def check_positions(positions, batch, length, rope_max_wavelength):
             "`positions` must hold int or float positions. "
             f"Received: positions.dtype={dtype}."
         )
-    check_mask("positions", positions, {1: (length,), 2: (batch, length)})
+    check_fits("positions", positions, {1: (length,), 2: (batch, length)})
 
 
 def check_segment_ids(name, segment_ids, shape=None, description="(batch, length)"):
@@ -235,6 +271,12 @@ def compiled_by_torch():
     return torch.compiler.is_compiling()
 
 
+def in_keras_step():
+    """Whether this call runs inside a Keras stateless scope (a JAX
+    trainer's step, a `stateless_call`), where values are not read."""
+    return in_stateless_scope is not None and in_stateless_scope()
+
+
 def exported_by_torch():
     """Whether `torch.export` is tracing this call (a static fact the
     attention plan reads)."""
@@ -248,8 +290,16 @@ def exported_by_torch():
 def concrete_value(tensor):
     """`tensor` as numpy where it holds values (an eager call), else `None`:
     tracers, graph tensors, torch.export's fake tensors and the tensors
-    `torch.compile` traces have none yet."""
-    if compiled_by_torch():
+    `torch.compile` traces have none yet.
+
+    Nor is a tensor read inside a Keras stateless scope (JAX's `fit`,
+    `predict` and `evaluate` run their steps in one, `jit_compile=False`
+    included): the JAX trainer takes the weights out of the model's
+    variables for the loop and puts them back after it, so an error raised
+    inside a step would leave the model without weights (Keras 3.15). There,
+    as in compiled graphs, a check that needs values does not run.
+    """
+    if isinstance(tensor, keras.KerasTensor) or compiled_by_torch() or in_keras_step():
         return None
     try:
         return ops.convert_to_numpy(tensor)

@@ -5,6 +5,7 @@ import collections
 
 from keras import ops
 
+from keras_attn._checks import check_sizes
 from keras_attn.cache import _slots
 from keras_attn.ops.dtypes import cast_to
 
@@ -39,6 +40,10 @@ class DenseCache(_slots.Linear, collections.namedtuple("DenseCache", ["kv"])):
     @classmethod
     def empty(cls, batch_size, num_heads, length, head_dim, dtype="float32"):
         """An all-zeros cache of `length` positions."""
+        check_sizes(
+            batch_size=batch_size, num_heads=num_heads, length=length,
+            head_dim=head_dim,
+        )  # fmt: skip
         return cls(ops.zeros((batch_size, 2, num_heads, length, head_dim), dtype))
 
     @property

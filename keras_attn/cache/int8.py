@@ -6,6 +6,7 @@ import collections
 import keras
 from keras import ops
 
+from keras_attn._checks import check_sizes
 from keras_attn.cache import _slots
 from keras_attn.ops.dtypes import cast_to, dtype_name
 
@@ -46,6 +47,10 @@ class Int8Cache(_slots.Linear, collections.namedtuple("Int8Cache", ["kv", "scale
     def empty(cls, batch_size, num_heads, length, head_dim, dtype=None):
         """An all-zeros cache of `length` positions (`dtype`: ignored, for
         the signature of `DenseCache.empty`)."""
+        check_sizes(
+            batch_size=batch_size, num_heads=num_heads, length=length,
+            head_dim=head_dim,
+        )  # fmt: skip
         shape = (batch_size, 2, num_heads, length, head_dim)
         return cls(ops.zeros(shape, "int8"), ops.zeros((*shape[:4], 1), "float32"))
 

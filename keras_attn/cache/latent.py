@@ -7,6 +7,7 @@ import collections
 import keras
 from keras import ops
 
+from keras_attn._checks import check_sizes
 from keras_attn.cache import _slots
 from keras_attn.ops.dtypes import cast_to, int32
 
@@ -42,6 +43,7 @@ class LatentCache(_slots.Linear, collections.namedtuple("LatentCache", ["latent"
     @classmethod
     def empty(cls, batch_size, length, width, dtype="float32"):
         """An all-zeros cache of `length` positions, `width` numbers each."""
+        check_sizes(batch_size=batch_size, length=length, width=width)
         return cls(ops.zeros((batch_size, length, width), dtype))
 
     @property

@@ -108,12 +108,16 @@ def generate(
             Defaults to `"greedy"`.
         temperature: float > 0. Divides the logits before sampling.
             `"sample"` only.
-        top_k: int. Sample only among the `top_k` most likely tokens.
+        top_k: int. Sample only among the `top_k` most likely tokens; a
+            `top_k` of the vocabulary size or more keeps every token (as
+            Hugging Face's `TopKLogitsWarper` clamps it).
         top_p: float in (0, 1]. Sample only among the most likely tokens whose
             probabilities add up to `top_p` (nucleus sampling).
         seed: int in [0, 2**31). Seed of `"sample"`. Defaults to a draw from
             Python's `random` (which `keras.utils.set_random_seed` seeds).
-        num_beams: int. Beams of `"beam"`. Defaults to `4`.
+        num_beams: int. Beams of `"beam"`, at most the vocabulary size of
+            the model's embedding (more could only repeat beams). Defaults
+            to `4`.
         length_penalty: float. `"beam"` ranks finished beams by
             `log p / length**length_penalty`. Defaults to `1.0`.
         end_token_id: int or list of ints. A sequence stops after generating
@@ -267,6 +271,7 @@ def generate(
             pad_token_id=settings.pad_token_id,
             end_token_id=settings.end_token_ids,
         )
+        _check_beams(settings, plan.vocabulary_size)
     sources = prompts.check_sources(sources, plan.source_specs, prompt.shape[0])
     sources = {f"encoder_{i}": x for i, x in enumerate(sources)}
     if draft:  # it reads the target's encoder inputs (the same, checked)
@@ -292,6 +297,17 @@ def _results(outputs, layout, settings, return_acceptance):
     if return_acceptance:
         results.append(float(outputs.get("acceptance", np.nan)))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _check_beams(settings, vocabulary_size):
+    """Beam search keeps `num_beams` distinct sequences: one step from a
+    single prompt has only `vocabulary_size` of them."""
+    if settings.num_beams > vocabulary_size:
+        raise ValueError(
+            "`num_beams` must be at most the vocabulary size of the model's "
+            f"embedding. Received: num_beams={settings.num_beams}, "
+            f"vocabulary_size={vocabulary_size}."
+        )
 
 
 def _check_call_options(settings, on_token):

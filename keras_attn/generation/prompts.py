@@ -16,6 +16,12 @@ def left_pad(prompt, pad_token_id):
     prompt = np.asarray(
         keras.ops.convert_to_numpy(_right_pad_rows(prompt, pad_token_id))
     )
+    if prompt.size == 0:  # before its dtype: numpy makes `[[]]` float64
+        raise ValueError(
+            "The prompt is empty: `generate` needs int token ids `(batch, "
+            "length)` with at least one row and a token in each. Received: "
+            f"shape={prompt.shape}."
+        )
     if prompt.ndim != 2 or prompt.dtype.kind not in "iu":
         raise ValueError(
             "The prompt must be int token ids `(batch, length)`. Received: "

@@ -6,7 +6,7 @@ call reads from one (writing its new ones first). The caches themselves are
 import keras
 from keras import ops
 
-from keras_attn._checks import check_float, check_mask
+from keras_attn._checks import check_fits, check_float
 from keras_attn.cache import (
     DenseCache,
     Int8Cache,
@@ -53,8 +53,8 @@ def check_cache(layer, cache, batch, name="cache"):
             "`decode_unchecked` (as `keras_attn.generation.generate` uses it)."
         )
     if isinstance(cache, Int8Cache):
-        check_mask(f"{name}.kv", cache.kv, expected)
-        check_mask(f"{name}.scale", cache.scale, (*expected[:4], 1))
+        check_fits(f"{name}.kv", cache.kv, expected)
+        check_fits(f"{name}.scale", cache.scale, (*expected[:4], 1))
         dtypes = (dtype_name(cache.kv.dtype), dtype_name(cache.scale.dtype))
         if dtypes != ("int8", "float32"):
             raise TypeError(
@@ -72,7 +72,7 @@ def check_cache(layer, cache, batch, name="cache"):
             "length, key_dim)` or a `keras_attn.cache` object. "
             f"Received: {name} of type {type(cache).__name__}."
         )
-    check_mask(name, cache, expected)
+    check_fits(name, cache, expected)
     check_float(name, cache)
 
 

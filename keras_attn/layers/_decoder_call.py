@@ -14,6 +14,7 @@ from keras_attn._checks import (
     check_rank,
     check_segment_ids_call,
     check_width,
+    dims_differ,
 )
 from keras_attn.layers._attention_cache import cache_length, check_cache
 from keras_attn.layers._block import first_mask
@@ -149,6 +150,19 @@ def _check_cross_attention(layer, args, batch, target):
     )
 
 
+def check_encoder_batch(decoder_sequence_shape, encoder_sequence_shape):
+    """Raise unless the encoder sequence has the decoder input's batch size
+    (where both are known): each decoder row attends to its own source."""
+    got, want = encoder_sequence_shape[0], decoder_sequence_shape[0]
+    if dims_differ(got, want):
+        raise ValueError(
+            "`encoder_sequence` must have the batch size of `decoder_sequence`: "
+            "each decoder row attends to the encoder row of the same index. "
+            f"Received: encoder_sequence.shape={tuple(encoder_sequence_shape)}, "
+            f"decoder_sequence.shape={tuple(decoder_sequence_shape)}."
+        )
+
+
 def _check_encoder_sequence(layer, args):
     """The encoder sequence, needed unless a precomputed cache stands in for
     it; returns its length (`None` without one)."""
@@ -165,6 +179,7 @@ def _check_encoder_sequence(layer, args):
     if sequence is None:
         return None
     check_rank("encoder_sequence", sequence.shape, 3, "(batch, length, width)")
+    check_encoder_batch(args.decoder_sequence.shape, sequence.shape)
     check_float("encoder_sequence", sequence)
     check_width(
         "encoder_sequence", sequence.shape, layer.cross_attention._widths["value"]

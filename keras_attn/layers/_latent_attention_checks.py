@@ -3,6 +3,7 @@ rotary width, a call's tensors and its latent cache."""
 
 from keras_attn._checks import (
     check_bool,
+    check_fits,
     check_float,
     check_index,
     check_mask,
@@ -71,5 +72,5 @@ def check_cache(layer, cache, batch, name="cache"):
             f"Received: {name} of type {type(cache).__name__}."
         )
     width = layer.kv_lora_rank + layer.qk_rope_head_dim
-    check_mask(f"{name}.latent", cache.latent, (batch, None, width))
+    check_fits(f"{name}.latent", cache.latent, (batch, None, width))
     check_float(f"{name}.latent", cache.latent)

@@ -95,7 +95,8 @@ def enable_lora(layer, targets, rank, lora_alpha, a_initializer, b_initializer):
 
     Checked before anything changes: the layer is built, `rank` and
     `lora_alpha` are valid, and no target has LoRA already or a kernel
-    constraint (Keras refuses both).
+    constraint (Keras refuses both), nor a float8 kernel (Keras accepts it,
+    then fails in `fit`).
     """
     if not layer.built:
         raise ValueError(
@@ -109,6 +110,13 @@ def enable_lora(layer, targets, rank, lora_alpha, a_initializer, b_initializer):
             raise ValueError(
                 f"LoRA is already enabled on {layer.name} ({target.path}). "
                 "It can be enabled once."
+            )
+        if getattr(target, "quantization_mode", None) == "float8":
+            raise ValueError(
+                f"LoRA cannot train on a float8 kernel, and {target.path} is "
+                "quantized to float8: Keras 3.15 accepts the adapters, then "
+                "fails in `fit`. Enable LoRA before `quantize('float8')`, or "
+                "quantize to int8 or int4."
             )
         constraint = getattr(target, "kernel_constraint", None) or getattr(
             target, "embeddings_constraint", None

@@ -41,7 +41,8 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
     `enable_lora` and `DTypePolicyMap` reach it), optionally scales them by
     `sqrt(embedding_dim)` as in the paper, and adds the encoding;
     `mask_zero=True` makes id 0 padding and emits the Keras mask. Float ids
-    are cast to int32, as `keras.layers.Embedding` does. Without a
+    holding whole numbers are cast to int32, as `keras.layers.Embedding`
+    does; a NaN or a fraction is no id (below). Without a
     vocabulary, the layer adds the encoding to float inputs (patches, audio
     frames, precomputed embeddings) and passes any incoming Keras mask
     through; unlike keras-hub's `SinePositionEncoding`, which returns the
@@ -53,11 +54,15 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
     All arguments are keyword only, so that `vocabulary_size` and
     `embedding_dim` (both ints) cannot be swapped silently.
 
-    Token ids outside `[0, vocabulary_size)` raise a `ValueError` in eager
-    calls. Inside compiled graphs (`fit`, `predict`, `jit_compile`) they are
-    not checked, and the backend's gather decides: JAX returns NaN rows,
-    PyTorch raises an `IndexError`, TensorFlow raises on a CPU and returns
-    zeros on a GPU.
+    An odd width is the same formula: its last channel is a sine (as
+    keras-hub's `SinePositionEncoding`), so no width is refused.
+
+    Token ids outside `[0, vocabulary_size)`, and float ids that are not
+    whole numbers (NaN included), raise a `ValueError` in eager calls.
+    Where their values cannot be read (compiled graphs: `fit`, `predict`,
+    `jit_compile`; and every step of JAX's `fit`, `predict` and `evaluate`,
+    where an error would cost the model its weights), the output at such an
+    id is a row of NaN, on every backend.
 
     Args:
         vocabulary_size: int. Number of token ids. `None` for float inputs.
@@ -191,9 +196,15 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
 
     def call(self, inputs, start_index=0):
         self._check_call(inputs, start_index)
-        if self.vocabulary_size is not None:
-            self._check_token_ids(inputs)
-        return self.call_unchecked(inputs, start_index)
+        if self.vocabulary_size is None:
+            return self.call_unchecked(inputs, start_index)
+        ids, valid = _valid_ids(inputs, self.vocabulary_size)
+        self._check_token_ids(inputs, valid)
+        x = self.call_unchecked(ids, start_index)  # (B, ..., T, D)
+        # Where the ids could not be checked (compiled graphs), a bad id's
+        # row is NaN on every backend, not whatever its gather returns.
+        nan = ops.convert_to_tensor(np.nan, x.dtype)
+        return ops.where(ops.expand_dims(valid, -1), x, nan)
 
     def call_unchecked(self, inputs, start_index=0, table=None, calls=None):
         """`call` without its checks, for a caller that checked its
@@ -245,21 +256,28 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
             check_width("inputs", inputs.shape, self._width)
         self._check_start_index(start_index, inputs.shape[0])
 
-    def _check_token_ids(self, inputs):
-        """Ids in `[0, vocabulary_size)`, checked where that is cheap: in eager
-        calls. Traced tensors (compiled graphs) have no values to check."""
+    def _check_token_ids(self, inputs, valid):
+        """Ids in `[0, vocabulary_size)`, float ids whole numbers, checked
+        where that is cheap: in eager calls (`valid`: where they are). Traced
+        tensors (compiled graphs) have no values to check."""
         if any(dim == 0 for dim in inputs.shape) or compiled_by_torch():
             return
-        extremes = concrete_value(ops.stack([ops.min(inputs), ops.max(inputs)]))
-        if extremes is None:
+        all_valid = concrete_value(ops.all(valid))
+        if all_valid is None or all_valid:
             return
-        low, high = extremes
-        if low < 0 or high >= self.vocabulary_size:
+        ids = np.asarray(concrete_value(inputs))
+        whole = ids == np.floor(ids)  # NaN is no id, nor is 1.5
+        if not np.all(whole):
             raise ValueError(
-                "Token ids must be in [0, vocabulary_size) = "
-                f"[0, {self.vocabulary_size}). Received ids from "
-                f"{_number(low)} to {_number(high)}."
+                "Float token ids must be whole numbers (they are cast to int32, "
+                "as `keras.layers.Embedding` casts them). Received: an id of "
+                f"{ids[~whole].flat[0]}. Pass int ids."
             )
+        raise ValueError(
+            "Token ids must be in [0, vocabulary_size) = "
+            f"[0, {self.vocabulary_size}). Received ids from "
+            f"{_number(ids.min())} to {_number(ids.max())}."
+        )
 
     def _check_start_index(self, start_index, batch):
         """An int, or an int tensor: a scalar or one start per sequence."""
@@ -347,6 +365,16 @@ class SinusoidalEmbedding(ConfigCheck, keras.layers.Layer):
             }
         )
         return config
+
+
+def _valid_ids(ids, vocabulary_size):
+    """`(int32 ids, valid)`: `valid` where an id is in `[0,
+    vocabulary_size)` (a float id also a whole number, so not NaN); the
+    others are replaced by 0, which every backend's gather takes."""
+    valid = ops.logical_and(ids >= 0, ids < vocabulary_size)
+    if "float" in keras.backend.standardize_dtype(ids.dtype):
+        valid = ops.logical_and(valid, ops.equal(ids, ops.floor(ids)))
+    return ops.cast(ops.where(valid, ids, 0), "int32"), valid
 
 
 def _number(value):

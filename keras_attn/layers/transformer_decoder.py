@@ -5,7 +5,11 @@ import keras
 from keras_attn.layers import _attention_cache, _self_attention
 from keras_attn.layers._attention_cache import cache_length
 from keras_attn.layers._block import TransformerBlock, to_bool
-from keras_attn.layers._decoder_call import DecoderCall, check_decoder_call
+from keras_attn.layers._decoder_call import (
+    DecoderCall,
+    check_decoder_call,
+    check_encoder_batch,
+)
 from keras_attn.layers._docs import shared_docs
 from keras_attn.layers._lean_call import call_sublayer
 
@@ -134,6 +138,8 @@ class TransformerDecoder(TransformerBlock):
 
     def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
         self._check_width("decoder_sequence", decoder_sequence_shape)
+        if encoder_sequence_shape is not None:  # before any sublayer is built
+            check_encoder_batch(decoder_sequence_shape, encoder_sequence_shape)
         (
             self.self_attention,
             self.self_attention_layer_norm,

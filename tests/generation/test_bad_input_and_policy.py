@@ -1,8 +1,10 @@
 """`generate` under a mixed dtype policy, its checks of the encoder inputs,
 and its defined behaviour at the edges: `max_new_tokens=0`, ragged list
-prompts and `end_token_id == pad_token_id` (issue 28)."""
+prompts and `end_token_id == pad_token_id` (issue 28); empty prompts,
+`num_beams` and `top_k` past the vocabulary (issue 44)."""
 
 import contextlib
+import re
 
 import keras
 import numpy as np
@@ -290,3 +292,33 @@ def test_end_token_id_equal_to_pad_token_id_ends_rows_with_that_id(gpt):
     with pytest.raises(ValueError, match=rf"pad_token_id={x} on one side"):
         token = int(prompts[0, 0])  # not x
         generate(gpt, [[token, x, token]], LENGTH, end_token_id=x, pad_token_id=x)
+
+
+# --- 4. Prompts with nothing in them, settings past the vocabulary (issue 44) --
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [np.zeros((0, 3), "int32"), [[]], []],
+    ids=["empty batch", "empty row", "empty list"],
+)
+def test_an_empty_prompt_is_refused_as_empty(gpt, prompt):
+    shape = re.escape(str(np.asarray(prompt).shape))
+    with pytest.raises(ValueError, match=rf"The prompt is empty.*shape={shape}"):
+        generate(gpt, prompt, LENGTH)
+
+
+def test_more_beams_than_the_vocabulary_are_refused(gpt):
+    with pytest.raises(
+        ValueError, match=rf"num_beams={VOCAB + 1}, vocabulary_size={VOCAB}"
+    ):
+        generate(gpt, PROMPTS, LENGTH, method="beam", num_beams=VOCAB + 1)
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(gpt):
+    """Documented (as Hugging Face clamps it): the same draws as no top_k."""
+    kwargs = {"method": "sample", "seed": 5, "max_new_tokens": 3}
+    np.testing.assert_array_equal(
+        generate(gpt, PROMPTS, top_k=VOCAB + 7, **kwargs),
+        generate(gpt, PROMPTS, **kwargs),
+    )

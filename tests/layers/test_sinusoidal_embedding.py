@@ -95,7 +95,7 @@ def test_float_ids_are_cast_as_keras_embedding_casts_them():
     )
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 6), (1, 2, 4, 6)])
+@pytest.mark.parametrize("shape", [(2, 4, 6), (2, 3, 5), (1, 2, 4, 6)])
 def test_float_inputs_get_keras_hubs_sine_position_encoding(shape):
     keras_hub = pytest.importorskip("keras_hub")
     x = random_floats(*shape)
