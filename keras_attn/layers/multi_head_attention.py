@@ -248,6 +248,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             scale=self.attention_scale,
             segment_ids=None if call.segments is None else (call.segments,) * 2,
             sink_logits=self.sink_logits,
+            band=call.key_band(self.sliding_window, self.attention_sinks),
         )  # fmt: skip
         scores = None
         if call.return_attention_scores:

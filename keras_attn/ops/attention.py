@@ -14,6 +14,7 @@ from keras_attn._checks import (
     exported_by_torch,
 )
 from keras_attn.ops.kernels import chunked, explicit, fused
+from keras_attn.ops.kernels.blocks import KeyBand
 from keras_attn.ops.kernels.options import KernelOptions
 from keras_attn.ops.masks import merge_attention_masks, same_segment
 from keras_attn.ops.plan import plan_attention, platform_of
@@ -189,12 +190,15 @@ def attend(
     logit_soft_cap=None,
     segment_ids=None,
     sink_logits=None,
+    band=None,
 ):
     """`dot_product_attention` without its checks, for callers that checked
     what they pass (the layers check their own calls, once); `segment_ids`:
     the segments to compare, `(query (B, T), keys (B, S))` (in
     self-attention the run numbers `segment_runs`, computed once a call),
-    or `None`; `sink_logits`: `(H,)` or `None` (a layer's weight)."""
+    or `None`; `sink_logits`: `(H,)` or `None` (a layer's weight); `band`:
+    `(sliding_window, attention_sinks)` where `mask` hides every key
+    outside that band (the chunked path then skips them), or `None`."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
@@ -226,16 +230,18 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
+    segments = (segment_ids, None if band is None else KeyBand(*band))
     output, weights = _run(
-        plan, query, key, value, mask, bias, is_causal, options, segment_ids
+        plan, query, key, value, mask, bias, is_causal, options, segments
     )
     return (output, weights) if return_scores else output
 
 
-def _run(plan, query, key, value, mask, bias, is_causal, options, segment_ids):
+def _run(plan, query, key, value, mask, bias, is_causal, options, segments):
     """Carry out `plan`: `(output, weights)`, the weights `None` but on the
-    materialized path; `segment_ids` reach the chunked path only (elsewhere
-    they are in the mask)."""
+    materialized path; `segments`: `(segment_ids, band)`, which reach the
+    chunked path only (elsewhere they are in the mask)."""
+    segment_ids, band = segments
     if plan.kernel == "fused":  # the kernel scales the logits
         output = fused.attention(
             query, key, value, mask, bias, is_causal, plan, options
@@ -246,8 +252,9 @@ def _run(plan, query, key, value, mask, bias, is_causal, options, segment_ids):
     query = ops.multiply(query, ops.convert_to_tensor(options.scale, dtype=dtype))
     if plan.kernel == "chunked":
         output = chunked.attention(
-            query, key, value, mask, bias, is_causal, plan, options, segment_ids
-        )
+            query, key, value, mask, bias, is_causal, plan, options, segment_ids,
+            band,
+        )  # fmt: skip
         return output, None
     causal_offset = 0 if is_causal else None
     return explicit.attention(query, key, value, mask, bias, causal_offset, options)
