@@ -79,24 +79,32 @@ def attend_counting(monkeypatch):
     return widths
 
 
-@pytest.mark.parametrize("structure", ["causal", "causal window with sinks"])
+@pytest.mark.parametrize(
+    "structure, heads_major", [("causal", True), ("causal window with sinks", False)]
+)
 def test_skipped_blocks_give_the_numbers_of_all_keys(
-    structure, small_chunks, monkeypatch
+    structure, heads_major, small_chunks, monkeypatch
 ):
-    """The layer's mask (sliding window, sinks, causal), compiled as each
-    backend trains: output and gradients of the query, keys and values equal
-    the materialized path's, and some chunks computed fewer than 27 keys."""
+    """The layer's mask (sliding window, sinks, causal; or causal with a key
+    padding mask, heads-major keys and sink logits), compiled as each backend
+    trains: output and gradients of the query, keys and values equal the
+    materialized path's, and some chunks computed fewer than 27 keys."""
     is_causal, window, sinks = STRUCTURES[structure]
     q = random_floats(2, 27, 4, 8, seed=1, scale=3.0)
-    k = random_floats(2, 27, 2, 8, seed=2)
-    v = random_floats(2, 27, 2, 6, seed=3)
-    mask = None if window is None else numpy_mask(27, 27, False, window, sinks)
+    layout = (2, 2, 27) if heads_major else (2, 27, 2)
+    k, v = random_floats(*layout, 8, seed=2), random_floats(*layout, 6, seed=3)
+    if window is None:  # keys padded, per row
+        mask = np.random.default_rng(5).random((2, 1, 1, 27)) > 0.2
+    else:
+        mask = numpy_mask(27, 27, False, window, sinks)
     band = None if window is None else (window, sinks)
+    sink_logits = random_floats(4, seed=6) if heads_major else None
 
     def attend(q, k, v):
         return keras_attn.ops.attention.attend(
-            q, k, v, mask=mask, is_causal=is_causal, band=band
-        )
+            q, k, v, mask=mask, is_causal=is_causal, band=band,
+            heads_major=heads_major, sink_logits=sink_logits,
+        )  # fmt: skip
 
     widths = attend_counting(monkeypatch)
     ours = compiled_value_and_gradients(attend, q, k, v)
