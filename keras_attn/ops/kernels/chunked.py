@@ -1,8 +1,8 @@
 """The explicit path in chunks of query rows: memory linear in the length.
 
 The forward pass goes one chunk at a time (`ops.scan`) and keeps, besides the
-output, only each row's log-sum-exp of its logits. Every chunk sees all its
-keys, so its softmax is the materialized one, row for row.
+output, only each row's log-sum-exp of its logits. Every chunk sees all the
+keys it may see at once, so its softmax is the materialized one, row for row.
 
 The gradient is our own (`ops.custom_gradient`), again one chunk at a time:
 each chunk's weights are recomputed from its logits and the saved
