@@ -91,7 +91,7 @@ def attention(
             query, masking._replace(bias=given.get("bias")), count, rows
         )
         output, log_sum = (
-            ops.concatenate(parts, axis=0)
+            _stacked(parts)
             for parts in zip(
                 *(
                     _forward(group, shared, key, value, own, window)
@@ -139,7 +139,7 @@ def _recomputed(query, key, value, masking, layout, options, extra):
     for group, window in _groups(chunks, windows):
         step = _recomputed_step(all_shared, key, value, window, options, extra)
         outputs.append(ops.scan(step, first, group)[1])
-    return _joined(ops.concatenate(outputs, axis=0), length)
+    return _joined(_stacked(outputs), length)
 
 
 def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
@@ -243,7 +243,7 @@ def _backward(
             sums["rows"] = group.pop("rows")
             sums = _backward_loop(group, shared, (key, value), options, window, sums)
             parts.append(sums.pop("rows"))
-        rows = ops.concatenate(parts, axis=0)
+        rows = _stacked(parts)
     sums["query"] = rows[..., :width]
     if options.sink_logits is not None:
         sums["sink_logits"] = _sink_gradient(options.sink_logits, log_sum, chunks)
@@ -457,6 +457,11 @@ def _add_keys(total, part, chunk, window, options):
     return ops.slice_update(
         total, starts, _keys_of(total, axis, chunk["start"], (width, 0)) + part
     )
+
+
+def _stacked(parts):
+    """The groups' stacks `(N_g, ...)` as one `(N, ...)` (one as it is)."""
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
 
 
 def _put(stack, index, x):
