@@ -147,10 +147,11 @@ class AttentionCall:
         return mask, self.use_causal_mask and self.cache_update_index is None
 
     def key_band(self, sliding_window, sinks=None):
-        """`(sliding_window, sinks)`, the band `merged_mask` applies by
-        position, where it is one the keys' positions alone give (no cache
-        offset; sinks not moved by padding or segments), else `None`: the
-        chunked attention then skips the keys outside it."""
+        """`(sliding_window, sinks)`, the band by position, where the keys'
+        positions alone give it (no cache offset; sinks not moved by padding
+        or segments), else `None`. The layer then passes it to `attend`
+        rather than to `merged_mask`: the chunked path builds it chunk by
+        chunk and skips the keys outside it."""
         moved = self.segment_ids is not None or (
             self.value_mask is not None or self.key_mask is not None
         )

@@ -16,7 +16,7 @@ from keras_attn._checks import (
 from keras_attn.ops.kernels import chunked, explicit, fused
 from keras_attn.ops.kernels.blocks import KeyBand
 from keras_attn.ops.kernels.options import KernelOptions
-from keras_attn.ops.masks import merge_attention_masks, same_segment
+from keras_attn.ops.masks import merge_attention_masks, same_segment, window_band
 from keras_attn.ops.plan import plan_attention, platform_of
 from keras_attn.ops.positions import segment_runs
 
@@ -197,18 +197,21 @@ def attend(
     the segments to compare, `(query (B, T), keys (B, S))` (in
     self-attention the run numbers `segment_runs`, computed once a call),
     or `None`; `sink_logits`: `(H,)` or `None` (a layer's weight); `band`:
-    `(sliding_window, attention_sinks)` where `mask` hides every key
-    outside that band (the chunked path then skips them), or `None`."""
+    `(sliding_window, attention_sinks)`, a layer's band by position
+    (`window_band`, query `i` at position `i`), or `None`: the chunked path
+    builds it chunk by chunk and skips the keys outside it, the others fold
+    it into the mask."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
+    band = None if band is None else KeyBand(*band)
     plan = plan_attention(
         tuple(query.shape),
         tuple(key.shape),
         tuple(value.shape),
         query.dtype,
         heads_major=heads_major,
-        mask_shape=None if mask is None else tuple(mask.shape),
+        mask_shape=_mask_shape(mask, band, query, key, heads_major),
         bias_shape=None if bias is None else tuple(bias.shape),
         is_causal=is_causal,
         dropout=dropout is not None,
@@ -223,6 +226,12 @@ def attend(
     if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
         mask = merge_attention_masks(mask, same_segment(*segment_ids))
         segment_ids = None
+    if band is not None and plan.kernel != "chunked":  # (T, S)
+        lengths = ops.shape(query)[1], ops.shape(key)[2 if heads_major else 1]
+        mask = merge_attention_masks(
+            mask, window_band(*lengths, band.window, sinks=band.sinks)
+        )
+        band = None
     options = KernelOptions(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         heads_major=heads_major,
@@ -230,11 +239,20 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
-    segments = (segment_ids, None if band is None else KeyBand(*band))
+    segments = (segment_ids, band)
     output, weights = _run(
         plan, query, key, value, mask, bias, is_causal, options, segments
     )
     return (output, weights) if return_scores else output
+
+
+def _mask_shape(mask, band, query, key, heads_major):
+    """The shape of the mask the kernel gets, with `band` `(T, S)` folded
+    in (or `None`)."""
+    if band is None:
+        return None if mask is None else tuple(mask.shape)
+    lengths = (query.shape[1], key.shape[2 if heads_major else 1])
+    return (1, 1, *lengths) if mask is None else (*mask.shape[:2], *lengths)
 
 
 def _run(plan, query, key, value, mask, bias, is_causal, options, segments):

@@ -85,33 +85,36 @@ def attend_counting(monkeypatch):
 def test_skipped_blocks_give_the_numbers_of_all_keys(
     structure, heads_major, small_chunks, monkeypatch
 ):
-    """The layer's mask (sliding window, sinks, causal; or causal with a key
-    padding mask, heads-major keys and sink logits), compiled as each backend
-    trains: output and gradients of the query, keys and values equal the
-    materialized path's, and some chunks computed fewer than 27 keys."""
+    """A band by position (sliding window, sinks, causal; or causal with
+    heads-major keys and sink logits), with keys padded per row, compiled as
+    each backend trains: output and gradients of the query, keys and values
+    equal the materialized path's with the band as a numpy mask, and some
+    chunks computed fewer than 27 keys."""
     is_causal, window, sinks = STRUCTURES[structure]
     q = random_floats(2, 27, 4, 8, seed=1, scale=3.0)
     layout = (2, 2, 27) if heads_major else (2, 27, 2)
     k, v = random_floats(*layout, 8, seed=2), random_floats(*layout, 6, seed=3)
-    if window is None:  # keys padded, per row
-        mask = np.random.default_rng(5).random((2, 1, 1, 27)) > 0.2
-    else:
-        mask = numpy_mask(27, 27, False, window, sinks)
+    # Keys padded per row; the reference has the band as a numpy mask.
+    padding = np.random.default_rng(5).random((2, 1, 1, 27)) > 0.2
     band = None if window is None else (window, sinks)
     sink_logits = random_floats(4, seed=6) if heads_major else None
 
-    def attend(q, k, v):
+    def attend(q, k, v, mask=padding, band=band):
         return keras_attn.ops.attention.attend(
             q, k, v, mask=mask, is_causal=is_causal, band=band,
             heads_major=heads_major, sink_logits=sink_logits,
         )  # fmt: skip
+
+    def reference(q, k, v):
+        band_mask = True if window is None else numpy_mask(27, 27, False, window, sinks)
+        return attend(q, k, v, mask=padding & band_mask, band=None)
 
     widths = attend_counting(monkeypatch)
     ours = compiled_value_and_gradients(attend, q, k, v)
     assert small_chunks.calls, "the chunked path did not run"
     assert widths and min(widths) < 27, widths
     small_chunks()
-    reference = compiled_value_and_gradients(attend, q, k, v)
+    reference = compiled_value_and_gradients(reference, q, k, v)
     for a, b in zip(
         keras.tree.flatten(ours), keras.tree.flatten(reference), strict=True
     ):

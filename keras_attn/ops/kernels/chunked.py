@@ -42,12 +42,14 @@ from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty
 class Masking(NamedTuple):
     """What masks a chunk's logits: the mask and bias (`None` or rank 4),
     `is_causal`, and the segments to compare, `(query (B, T), keys (B, S))`
-    or `None` (see `attention.attend`)."""
+    or `None` (see `attention.attend`), and the `blocks.KeyBand` each
+    chunk builds from the positions, or `None`."""
 
     mask: Any
     bias: Any
     is_causal: bool
     segments: Any
+    band: Any = None
 
 
 def attention(
@@ -61,11 +63,12 @@ def attention(
     The rows are padded to whole chunks, and the padding cut off.
     `segment_ids`: the segments to compare, `(query (B, T), keys (B, S))`,
     or `None`; the query's go in chunks with the rows, and each chunk builds
-    its mask from them. `band`: a `blocks.KeyBand` that `mask` applies,
-    or `None`; with it or `is_causal`, each chunk computes only the keys it
-    may see (not with a bias).
+    its mask from them. `band`: a `blocks.KeyBand` (a sliding window and
+    its sinks) each chunk applies from the positions, or `None`; with it or
+    `is_causal`, each chunk computes only the keys it may see (not with a
+    bias).
     """
-    masking = Masking(mask, bias, is_causal, segment_ids)
+    masking = Masking(mask, bias, is_causal, segment_ids, band)
     length = query.shape[1]
     count = -(-length // plan.chunk_rows)
     rows = -(-length // count)  # the fewest padded rows for `count` chunks
@@ -95,7 +98,7 @@ def attention(
             for parts in zip(
                 *(
                     _forward(group, shared, key, value, own, window)
-                    for group, window in _groups(chunks, windows)
+                    for group, window in _groups(chunks, windows, masking)
                 ),
                 strict=True,
             )
@@ -106,8 +109,9 @@ def attention(
             upstream = args[0] if upstream is None else upstream
             upstream = _in_chunks(upstream, 1, count, rows)  # (N, B, C, H, Dv)
             sums = _backward(
-                chunks, shared, key, value, output, log_sum, upstream, own, windows
-            )
+                chunks, shared, key, value, output, log_sum, upstream, own,
+                (windows, masking),
+            )  # fmt: skip
             grads = [_joined(sums["query"], length), sums["key"], sums["value"]]
             if "bias" in given:  # chunked like the bias: `(N, B|1, H|1, C, S)` per row
                 per_row = "bias" in chunks
@@ -136,7 +140,7 @@ def _recomputed(query, key, value, masking, layout, options, extra):
     batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
     first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
     outputs = []
-    for group, window in _groups(chunks, windows):
+    for group, window in _groups(chunks, windows, masking):
         step = _recomputed_step(all_shared, key, value, window, options, extra)
         outputs.append(ops.scan(step, first, group)[1])
     return _joined(_stacked(outputs), length)
@@ -183,7 +187,7 @@ def _split(query, masking, count, rows):
             chunks[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
         elif x is not None:
             shared[name] = x
-    if masking.is_causal:  # each chunk's first row
+    if masking.is_causal or masking.band:  # each chunk's first row
         chunks["offset"] = ops.arange(0, count * rows, rows, dtype="int32")
     return chunks, shared
 
@@ -224,22 +228,25 @@ def _forward(chunks, all_shared, all_key, all_value, options, window=None):
 
 
 def _backward(
-    chunks, shared, key, value, output, log_sum, upstream, options, windows
+    chunks, shared, key, value, output, log_sum, upstream, options, layout
 ):  # fmt: skip
     """The gradients, summed over the chunks: `query` `(N, B, C, H, D)`,
     `key`, `value`, and `bias` (chunked like the bias), in float32;
-    `windows`: the keys each chunk computes (`blocks.KeyWindows` or `None`)."""
+    `layout`: `(windows, masking)`, the keys each chunk computes
+    (`blocks.KeyWindows` or `None`) and the `Masking`."""
+    windows, masking = layout
     width = chunks["query"].shape[-1]
     chunks, sums = _backward_start(
         chunks, shared, key, value, output, log_sum, upstream
     )
     if windows is None:  # one loop, the bias's gradient too
-        sums = _backward_loop(chunks, shared, (key, value), options, None, sums)
+        view = _groups(chunks, None, masking)[0][1]
+        sums = _backward_loop(chunks, shared, (key, value), options, view, sums)
         rows = sums.pop("rows")
     else:  # a loop per group, the gradients of the keys carried through
         chunks = {**chunks, "rows": sums.pop("rows")}
         parts = []
-        for group, window in _groups(chunks, windows):
+        for group, window in _groups(chunks, windows, masking):
             sums["rows"] = group.pop("rows")
             sums = _backward_loop(group, shared, (key, value), options, window, sums)
             parts.append(sums.pop("rows"))
@@ -381,43 +388,68 @@ def _mask(chunk, shared):
     )
 
 
-def _groups(chunks, windows):
-    """`[(chunks, window)]`: the chunks of each group of `windows` (a
+class View(NamedTuple):
+    """The keys a loop's chunks compute: the first `sinks`, then `width`
+    from each chunk's start (`None`: all keys), and the masks by position
+    each builds: causal, and a `blocks.KeyBand` or `None`."""
+
+    width: Any
+    sinks: int
+    is_causal: bool
+    band: Any
+
+
+def _groups(chunks, windows, masking):
+    """`[(chunks, View)]`: the chunks of each group of `windows` (a
     `blocks.KeyWindows`, or `None`: all chunks over all keys), with the
-    start of each chunk's window, and the window `(width, sinks)`."""
+    start of each chunk's window, and the keys they compute."""
     if windows is None:
-        return [(chunks, None)]
+        return [(chunks, View(None, 0, masking.is_causal, masking.band))]
     groups = []
     for first, end, width in windows.groups:
         group = {name: x[first:end] for name, x in chunks.items()}
         starts = np.asarray(windows.starts[first:end], dtype="int32")
         group["start"] = ops.convert_to_tensor(starts)
-        groups.append((group, (width, windows.sinks)))
+        view = View(width, windows.sinks, masking.is_causal, masking.band)
+        groups.append((group, view))
     return groups
 
 
-def _windowed(chunk, shared, key, value, window, options):
-    """`(chunk, shared, key, value)` over the keys of `window` `(width,
-    sinks)`: the first `sinks` keys, then `width` from `chunk["start"]`
-    (all, for `None`), their masks and segments too; a causal chunk's mask
-    built from the keys' positions."""
-    if window is None:
-        return chunk, shared, key, value
+def _windowed(chunk, shared, key, value, view, options):
+    """`(chunk, shared, key, value)` over the keys of `view` (a `View`):
+    the first `sinks` keys, then `width` from `chunk["start"]`, their masks
+    and segments too; the masks by position built from the keys' positions
+    (`chunk["causal"]`)."""
     axis = 2 if options.heads_major else 1
-    chunk, start = dict(chunk), chunk["start"]
-    key, value = (_keys_of(x, axis, start, window) for x in (key, value))
-    shared = {name: _keys_of(x, -1, start, window) for name, x in shared.items()}
-    if "mask" in chunk:
-        chunk["mask"] = _keys_of(chunk["mask"], -1, start, window)
+    chunk = dict(chunk)
+    if view.width is None:
+        keys = ops.arange(0, ops.shape(key)[axis], dtype="int32")
+    else:
+        start, window = chunk["start"], (view.width, view.sinks)
+        key, value = (_keys_of(x, axis, start, window) for x in (key, value))
+        shared = {name: _keys_of(x, -1, start, window) for name, x in shared.items()}
+        if "mask" in chunk:
+            chunk["mask"] = _keys_of(chunk["mask"], -1, start, window)
+        keys = ops.arange(0, view.width, dtype="int32") + start
+        keys = ops.concatenate([ops.arange(0, view.sinks, dtype="int32"), keys])
     if "offset" in chunk:  # (C, sinks + width)
-        width, sinks = window
-        keys = ops.arange(0, width, dtype="int32") + start
-        keys = ops.concatenate([ops.arange(0, sinks, dtype="int32"), keys])
         queries = chunk.pop("offset") + ops.arange(
             0, chunk["query"].shape[1], dtype="int32"
         )
-        chunk["causal"] = keys[None, :] <= queries[:, None]
+        chunk["causal"] = _by_position(queries, keys, view)
     return chunk, shared, key, value
+
+
+def _by_position(queries, keys, view):
+    """The masks by position `(C, S)` of `queries` over `keys` (positions)."""
+    after = keys[None, :] - queries[:, None]  # key - query
+    mask = after <= 0 if view.is_causal else None
+    if view.band is not None:
+        band = ops.abs(after) < view.band.window
+        if view.band.sinks:
+            band = ops.logical_or(band, keys[None, :] < view.band.sinks)
+        mask = band if mask is None else ops.logical_and(mask, band)
+    return mask
 
 
 def _keys_of(x, axis, start, window):
@@ -438,12 +470,12 @@ def _keys_of(x, axis, start, window):
     return ops.concatenate([first, part], axis=axis)
 
 
-def _add_keys(total, part, chunk, window, options):
+def _add_keys(total, part, chunk, view, options):
     """`total` `(B, S, K, D)` (or heads-major) with `part`, the gradient of
-    the keys `_keys_of` took for `window`, added where they came from."""
-    if window is None:
+    the keys `_keys_of` took for `view`, added where they came from."""
+    if view.width is None:
         return total + part
-    width, sinks = window
+    width, sinks = view.width, view.sinks
     axis = 2 if options.heads_major else 1
     starts = [0] * 4
     if sinks:
