@@ -11,9 +11,9 @@ compiled as each backend runs a train step here: `jax.jit`, a
 Rows:
 
 - causal at `--causal-length`, against the same call without a mask;
-- a causal sliding window of `--window` (its band passed as a mask with
-  the band it applies) at each of `--window-lengths`, and the ratio of the
-  longest to the shortest (linear: their length ratio; quadratic: its square).
+- a causal sliding window of `--window` (its band by position, as a layer
+  passes it) at each of `--window-lengths`, and the ratio of the longest to
+  the shortest (linear: their length ratio; quadratic: its square).
 
 "before" is the same process with `blocks.key_windows` answering `None`:
 every chunk over every key, the code path before block skipping. Seconds:
@@ -34,7 +34,6 @@ from benchmarks.report import write_report  # noqa: E402
 from benchmarks.timing import describe, time_calls  # noqa: E402
 from keras_attn.ops.attention import attend  # noqa: E402
 from keras_attn.ops.kernels import blocks  # noqa: E402
-from keras_attn.ops.masks import sliding_window_mask  # noqa: E402
 
 HEADS, WIDTH = 8, 64
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -132,11 +131,10 @@ def window_rows(lengths, window, calls, before):
     seconds = {}
     for length in sorted({*lengths, *before}):
 
-        def windowed(q, k, v, length=length):
-            # Built in the call, as a layer builds it.
-            mask = sliding_window_mask(length, length, window)
+        def windowed(q, k, v):
+            # The band as a layer passes it: by position, no (T, S) mask.
             return attend(
-                q, k, v, mask=mask, is_causal=True, flash_attention=False,
+                q, k, v, is_causal=True, flash_attention=False,
                 band=(window, 0),
             )  # fmt: skip
 
