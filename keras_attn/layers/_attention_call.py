@@ -146,6 +146,19 @@ class AttentionCall:
         mask = merge_attention_masks(*padding, attention_mask, written, band)
         return mask, self.use_causal_mask and self.cache_update_index is None
 
+    def key_band(self, sliding_window, sinks=None):
+        """`(sliding_window, sinks)`, the band by position, where the keys'
+        positions alone give it (no cache offset; sinks not moved by padding
+        or segments), else `None`. The layer then passes it to `attend`
+        rather than to `merged_mask`: the chunked path builds it chunk by
+        chunk and skips the keys outside it."""
+        moved = self.segment_ids is not None or (
+            self.value_mask is not None or self.key_mask is not None
+        )
+        if sliding_window is None or self.cache is not None or (sinks and moved):
+            return None
+        return sliding_window, sinks or 0
+
     def _position_masks(self, sliding_window, query_length, key_length):
         """The masks by position, `(written, band)`, each `None` where it
         has none: from the cache index, where the queries sit, the causal

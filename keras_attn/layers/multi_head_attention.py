@@ -232,9 +232,12 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         kernel, the output projection."""
         q, k, v, cache = self._queries_keys_values(call)
         lengths = ops.shape(q)[1], ops.shape(k)[1 if cache is None else 2]
-        mask, causal = call.merged_mask(
-            self._axes, self.sliding_window, lengths, sinks=self.attention_sinks
+        # A band the keys' positions alone give goes to `attend` as it is.
+        band = call.key_band(self.sliding_window, self.attention_sinks)
+        window, sinks = (
+            (None, None) if band else (self.sliding_window, self.attention_sinks)
         )
+        mask, causal = call.merged_mask(self._axes, window, lengths, sinks=sinks)
         result = attend(
             q, k, v,
             mask=mask,
@@ -248,6 +251,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             scale=self.attention_scale,
             segment_ids=None if call.segments is None else (call.segments,) * 2,
             sink_logits=self.sink_logits,
+            band=band,
         )  # fmt: skip
         scores = None
         if call.return_attention_scores:

@@ -14,8 +14,9 @@ from keras_attn._checks import (
     exported_by_torch,
 )
 from keras_attn.ops.kernels import chunked, explicit, fused
+from keras_attn.ops.kernels.blocks import KeyBand
 from keras_attn.ops.kernels.options import KernelOptions
-from keras_attn.ops.masks import merge_attention_masks, same_segment
+from keras_attn.ops.masks import merge_attention_masks, same_segment, window_band
 from keras_attn.ops.plan import plan_attention, platform_of
 from keras_attn.ops.positions import segment_runs
 
@@ -189,22 +190,28 @@ def attend(
     logit_soft_cap=None,
     segment_ids=None,
     sink_logits=None,
+    band=None,
 ):
     """`dot_product_attention` without its checks, for callers that checked
     what they pass (the layers check their own calls, once); `segment_ids`:
     the segments to compare, `(query (B, T), keys (B, S))` (in
     self-attention the run numbers `segment_runs`, computed once a call),
-    or `None`; `sink_logits`: `(H,)` or `None` (a layer's weight)."""
+    or `None`; `sink_logits`: `(H,)` or `None` (a layer's weight); `band`:
+    `(sliding_window, attention_sinks)`, a layer's band by position
+    (`window_band`, query `i` at position `i`), or `None`: the chunked path
+    builds it chunk by chunk and skips the keys outside it, the others fold
+    it into the mask."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
+    band = None if band is None else KeyBand(*band)
     plan = plan_attention(
         tuple(query.shape),
         tuple(key.shape),
         tuple(value.shape),
         query.dtype,
         heads_major=heads_major,
-        mask_shape=None if mask is None else tuple(mask.shape),
+        mask_shape=_mask_shape(mask, band, query, key, heads_major),
         bias_shape=None if bias is None else tuple(bias.shape),
         is_causal=is_causal,
         dropout=dropout is not None,
@@ -219,6 +226,12 @@ def attend(
     if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
         mask = merge_attention_masks(mask, same_segment(*segment_ids))
         segment_ids = None
+    if band is not None and plan.kernel != "chunked":  # (T, S)
+        lengths = ops.shape(query)[1], ops.shape(key)[2 if heads_major else 1]
+        mask = merge_attention_masks(
+            mask, window_band(*lengths, band.window, sinks=band.sinks)
+        )
+        band = None
     options = KernelOptions(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         heads_major=heads_major,
@@ -226,16 +239,27 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
+    segments = (segment_ids, band)
     output, weights = _run(
-        plan, query, key, value, mask, bias, is_causal, options, segment_ids
+        plan, query, key, value, mask, bias, is_causal, options, segments
     )
     return (output, weights) if return_scores else output
 
 
-def _run(plan, query, key, value, mask, bias, is_causal, options, segment_ids):
+def _mask_shape(mask, band, query, key, heads_major):
+    """The shape of the mask the kernel gets, with `band` `(T, S)` folded
+    in (or `None`)."""
+    if band is None:
+        return None if mask is None else tuple(mask.shape)
+    lengths = (query.shape[1], key.shape[2 if heads_major else 1])
+    return (1, 1, *lengths) if mask is None else (*mask.shape[:2], *lengths)
+
+
+def _run(plan, query, key, value, mask, bias, is_causal, options, segments):
     """Carry out `plan`: `(output, weights)`, the weights `None` but on the
-    materialized path; `segment_ids` reach the chunked path only (elsewhere
-    they are in the mask)."""
+    materialized path; `segments`: `(segment_ids, band)`, which reach the
+    chunked path only (elsewhere they are in the mask)."""
+    segment_ids, band = segments
     if plan.kernel == "fused":  # the kernel scales the logits
         output = fused.attention(
             query, key, value, mask, bias, is_causal, plan, options
@@ -246,8 +270,9 @@ def _run(plan, query, key, value, mask, bias, is_causal, options, segment_ids):
     query = ops.multiply(query, ops.convert_to_tensor(options.scale, dtype=dtype))
     if plan.kernel == "chunked":
         output = chunked.attention(
-            query, key, value, mask, bias, is_causal, plan, options, segment_ids
-        )
+            query, key, value, mask, bias, is_causal, plan, options, segment_ids,
+            band,
+        )  # fmt: skip
         return output, None
     causal_offset = 0 if is_causal else None
     return explicit.attention(query, key, value, mask, bias, causal_offset, options)

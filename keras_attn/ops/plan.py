@@ -80,6 +80,16 @@ The explicit path materializes the weights, unless it may go in chunks: no
 dropout, no returned weights, static lengths, and at least `CHUNKED_FROM`
 logits per batch row (`H * T * S`).
 
+In chunks, a chunk of query rows computes only the keys that the masks by
+position may leave visible (`kernels/blocks.py`): with `is_causal` (keys up
+to its last row) and with a layer's sliding window (its band, and the
+attention sinks where padding and segments do not move them), not with a
+bias. The chunks go in at most `blocks.MAX_GROUPS` loops, each with one
+static key width, so XLA compiles them; causal attention then computes about
+0.56 of the logits at 16 chunks, a window of `w` about `rows + w - 1` keys a
+row (`benchmarks/block_skipping.py`). Segment ids, cache offsets and
+lengths known only at run time skip nothing yet.
+
 No speed rule: none measured wins by 10%. Reading a heads-major cache in
 place in a decoding step was one; `benchmarks/dispatch.py` finds it level with
 the fused kernel on JAX and slower on PyTorch.

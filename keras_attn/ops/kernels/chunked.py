@@ -1,8 +1,8 @@
 """The explicit path in chunks of query rows: memory linear in the length.
 
 The forward pass goes one chunk at a time (`ops.scan`) and keeps, besides the
-output, only each row's log-sum-exp of its logits. Every chunk sees all its
-keys, so its softmax is the materialized one, row for row.
+output, only each row's log-sum-exp of its logits. Every chunk sees all the
+keys it may see at once, so its softmax is the materialized one, row for row.
 
 The gradient is our own (`ops.custom_gradient`), again one chunk at a time:
 each chunk's weights are recomputed from its logits and the saved
@@ -17,6 +17,11 @@ TensorFlow `scan`, a `tf.while_loop` without `maximum_iterations`, asks XLA
 for "a fixed tensor list size". It also recomputes each chunk's output in
 the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
 
+Where the masks by position hide keys from whole chunks (causal attention,
+a sliding window's band, `blocks.KeyBand`), each chunk computes only a
+window of keys (`blocks.key_windows`), forward and backward: the chunks go
+in a few loops, each with its own static window width.
+
 Sink logits (gpt-oss: a logit per head in each row's denominator) join each
 row's log-sum-exp `L`; the sink's weight `exp(s_h - L)` has no value, so its
 logit's gradient is `-sum exp(s_h - L) rowsum(dO * O)` over the rows.
@@ -26,27 +31,31 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_attn.ops.dtypes import at_least_float32
-from keras_attn.ops.kernels import explicit
+from keras_attn.ops.kernels import blocks, explicit
 from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
 
 
 class Masking(NamedTuple):
     """What masks a chunk's logits: the mask and bias (`None` or rank 4),
     `is_causal`, and the segments to compare, `(query (B, T), keys (B, S))`
-    or `None` (see `attention.attend`)."""
+    or `None` (see `attention.attend`), and the `blocks.KeyBand` each
+    chunk builds from the positions, or `None`."""
 
     mask: Any
     bias: Any
     is_causal: bool
     segments: Any
+    band: Any = None
 
 
 def attention(
-    query, key, value, mask, bias, is_causal, plan, options, segment_ids=None
-):
+    query, key, value, mask, bias, is_causal, plan, options, segment_ids=None,
+    band=None,
+):  # fmt: skip
     """The explicit path on `query` `(B, T, H, D)` (already scaled) in chunks
     of about `plan.chunk_rows` query rows, with the plan's `chunk_gradient`;
     returns `(B, T, H, Dv)`.
@@ -54,17 +63,26 @@ def attention(
     The rows are padded to whole chunks, and the padding cut off.
     `segment_ids`: the segments to compare, `(query (B, T), keys (B, S))`,
     or `None`; the query's go in chunks with the rows, and each chunk builds
-    its mask from them.
+    its mask from them. `band`: a `blocks.KeyBand` (a sliding window and
+    its sinks) each chunk applies from the positions, or `None`; with it or
+    `is_causal`, each chunk computes only the keys it may see (not with a
+    bias).
     """
-    masking = Masking(mask, bias, is_causal, segment_ids)
+    masking = Masking(mask, bias, is_causal, segment_ids, band)
     length = query.shape[1]
     count = -(-length // plan.chunk_rows)
     rows = -(-length // count)  # the fewest padded rows for `count` chunks
+    windows = None
+    if bias is None:
+        key_length = key.shape[2 if options.heads_major else 1]
+        windows = blocks.key_windows(length, key_length, count, rows, is_causal, band)
     # What may need a gradient is an argument: the bias and the sinks too.
     extra = {"bias": bias, "sink_logits": options.sink_logits}
     extra = {name: x for name, x in extra.items() if x is not None}
     if plan.chunk_gradient == "remat":
-        return _recomputed(query, key, value, masking, count, rows, options, extra)
+        return _recomputed(
+            query, key, value, masking, (count, rows, windows), options, extra
+        )
 
     @ops.custom_gradient
     def attend(query, key, value, *tensors):
@@ -75,13 +93,25 @@ def attention(
         chunks, shared = _split(
             query, masking._replace(bias=given.get("bias")), count, rows
         )
-        output, log_sum = _forward(chunks, shared, key, value, own)
+        output, log_sum = (
+            _stacked(parts)
+            for parts in zip(
+                *(
+                    _forward(group, shared, key, value, own, window)
+                    for group, window in _groups(chunks, windows, masking)
+                ),
+                strict=True,
+            )
+        )
 
         def gradient(*args, upstream=None):
             # Keras' documented signature for every backend's custom gradient.
             upstream = args[0] if upstream is None else upstream
             upstream = _in_chunks(upstream, 1, count, rows)  # (N, B, C, H, Dv)
-            sums = _backward(chunks, shared, key, value, output, log_sum, upstream, own)
+            sums = _backward(
+                chunks, shared, key, value, output, log_sum, upstream, own,
+                (windows, masking),
+            )  # fmt: skip
             grads = [_joined(sums["query"], length), sums["key"], sums["value"]]
             if "bias" in given:  # chunked like the bias: `(N, B|1, H|1, C, S)` per row
                 per_row = "bias" in chunks
@@ -99,14 +129,31 @@ def attention(
     return attend(query, key, value, *extra.values())
 
 
-def _recomputed(query, key, value, masking, count, rows, options, extra):
+def _recomputed(query, key, value, masking, layout, options, extra):
     """`attention` with each chunk under `keras.remat`, differentiated by the
-    backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`; `extra`:
-    the bias and sink logits that are given, by name."""
+    backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`;
+    `layout`: `(count, rows, windows)`; `extra`: the bias and sink logits
+    that are given, by name."""
+    count, rows, windows = layout
     length = query.shape[1]
-    chunks, shared = _split(query, masking, count, rows)
+    chunks, all_shared = _split(query, masking, count, rows)
+    batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
+    first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
+    outputs = []
+    for group, window in _groups(chunks, windows, masking):
+        step = _recomputed_step(all_shared, key, value, window, options, extra)
+        outputs.append(ops.scan(step, first, group)[1])
+    return _joined(_stacked(outputs), length)
+
+
+def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
+    """The scan step of `_recomputed` for chunks over `window`."""
 
     def step(previous, chunk):
+        chunk, shared, key, value = _windowed(
+            chunk, all_shared, all_key, all_value, window, options
+        )
+
         def attend(query, key, value, *tensors):
             # What may need a gradient is an argument.
             given = {**shared, **chunk, "query": query}
@@ -124,9 +171,7 @@ def _recomputed(query, key, value, masking, count, rows, options, extra):
         output = keras.remat(attend)(chunk["query"], key, value, *tensors.values())
         return output, output
 
-    batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
-    first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
-    return _joined(ops.scan(step, first, chunks)[1], length)
+    return step
 
 
 def _split(query, masking, count, rows):
@@ -142,16 +187,20 @@ def _split(query, masking, count, rows):
             chunks[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
         elif x is not None:
             shared[name] = x
-    if masking.is_causal:  # each chunk's first row
+    if masking.is_causal or masking.band:  # each chunk's first row
         chunks["offset"] = ops.arange(0, count * rows, rows, dtype="int32")
     return chunks, shared
 
 
-def _forward(chunks, shared, key, value, options):
+def _forward(chunks, all_shared, all_key, all_value, options, window=None):
     """Each chunk's output `(N, B, C, H, Dv)` and its rows' log-sum-exp of the
-    logits `(N, B, H, C, 1)`."""
+    logits `(N, B, H, C, 1)`; `window`: the keys each computes (`_windowed`)."""
+    value = all_value
 
     def step(previous, chunk):
+        chunk, shared, key, value = _windowed(
+            chunk, all_shared, all_key, all_value, window, options
+        )
         logits, _, has_key = _logits(chunk, shared, key, options)  # (B, H, C, S)
         if options.sink_logits is not None:  # a last key, dropped after
             logits = explicit.with_sinks(logits, options.sink_logits)
@@ -178,13 +227,40 @@ def _forward(chunks, shared, key, value, options):
     return ops.scan(step, first, chunks)[1]
 
 
-def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
+def _backward(
+    chunks, shared, key, value, output, log_sum, upstream, options, layout
+):  # fmt: skip
     """The gradients, summed over the chunks: `query` `(N, B, C, H, D)`,
-    `key`, `value`, and `bias` (chunked like the bias), in float32."""
+    `key`, `value`, and `bias` (chunked like the bias), in float32;
+    `layout`: `(windows, masking)`, the keys each chunk computes
+    (`blocks.KeyWindows` or `None`) and the `Masking`."""
+    windows, masking = layout
     width = chunks["query"].shape[-1]
     chunks, sums = _backward_start(
         chunks, shared, key, value, output, log_sum, upstream
     )
+    if windows is None:  # one loop, the bias's gradient too
+        view = _groups(chunks, None, masking)[0][1]
+        sums = _backward_loop(chunks, shared, (key, value), options, view, sums)
+        rows = sums.pop("rows")
+    else:  # a loop per group, the gradients of the keys carried through
+        chunks = {**chunks, "rows": sums.pop("rows")}
+        parts = []
+        for group, window in _groups(chunks, windows, masking):
+            sums["rows"] = group.pop("rows")
+            sums = _backward_loop(group, shared, (key, value), options, window, sums)
+            parts.append(sums.pop("rows"))
+        rows = _stacked(parts)
+    sums["query"] = rows[..., :width]
+    if options.sink_logits is not None:
+        sums["sink_logits"] = _sink_gradient(options.sink_logits, log_sum, chunks)
+    return sums
+
+
+def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
+    """`sums` with the gradients of `chunks` added, one chunk after the
+    other, each over the keys of `window` (`_windowed`)."""
+    width = sums["rows"].shape[-1] - sums["value"].shape[-1]
     per_row = "bias" in chunks
     chunks = {name: x for name, x in chunks.items() if name != "bias"}
 
@@ -194,6 +270,9 @@ def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
         chunk["query"], chunk["upstream"] = rows[..., :width], rows[..., width:]
         if per_row:
             chunk["bias"] = ops.take(sums["bias"], index, axis=0)
+        chunk, shared, key, value = _windowed(
+            chunk, all_shared, *keys_values, window, options
+        )
         grads = _chunk_gradients(chunk, shared, key, value, options)
         rows = ops.concatenate(
             [grads["query"], ops.zeros_like(chunk["upstream"])], axis=-1
@@ -201,8 +280,8 @@ def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
         sums = {
             **sums,
             "rows": _put(sums["rows"], index, rows),
-            "key": sums["key"] + grads["key"],
-            "value": sums["value"] + grads["value"],
+            "key": _add_keys(sums["key"], grads["key"], chunk, window, options),
+            "value": _add_keys(sums["value"], grads["value"], chunk, window, options),
         }
         if per_row:
             sums["bias"] = _put(sums["bias"], index, grads["bias"])
@@ -210,11 +289,7 @@ def _backward(chunks, shared, key, value, output, log_sum, upstream, options):
             sums["bias"] = sums["bias"] + grads["bias"]
         return sums
 
-    sums = ops.fori_loop(0, log_sum.shape[0], step, sums)
-    sums["query"] = sums.pop("rows")[..., :width]
-    if options.sink_logits is not None:
-        sums["sink_logits"] = _sink_gradient(options.sink_logits, log_sum, chunks)
-    return sums
+    return ops.fori_loop(0, sums["rows"].shape[0], step, sums)
 
 
 def _sink_gradient(sink_logits, log_sum, chunks):
@@ -301,15 +376,124 @@ def _logits(chunk, shared, key, options):
 
 
 def _mask(chunk, shared):
-    """A chunk's boolean mask (or `None`): its rows' or the shared mask, and
-    where there are segment ids, its rows' segments against the keys'
-    `(B, 1, C, S)`."""
-    mask = chunk.get("mask", shared.get("mask"))
+    """A chunk's boolean mask (or `None`): its rows' or the shared mask, the
+    causal mask of a window of keys, and where there are segment ids, its
+    rows' segments against the keys' `(B, 1, C, S)`."""
+    mask = merge_attention_masks(chunk.get("mask", shared.get("mask")))
+    mask = merge_attention_masks(mask, chunk.get("causal"))
     if "segments" not in chunk:
         return mask
     return merge_attention_masks(
         mask, same_segment(chunk["segments"], shared["key_segments"])
     )
+
+
+class View(NamedTuple):
+    """The keys a loop's chunks compute: the first `sinks`, then `width`
+    from each chunk's start (`None`: all keys), and the masks by position
+    each builds: causal, and a `blocks.KeyBand` or `None`."""
+
+    width: Any
+    sinks: int
+    is_causal: bool
+    band: Any
+
+
+def _groups(chunks, windows, masking):
+    """`[(chunks, View)]`: the chunks of each group of `windows` (a
+    `blocks.KeyWindows`, or `None`: all chunks over all keys), with the
+    start of each chunk's window, and the keys they compute."""
+    if windows is None:
+        return [(chunks, View(None, 0, masking.is_causal, masking.band))]
+    groups = []
+    for first, end, width in windows.groups:
+        group = {name: x[first:end] for name, x in chunks.items()}
+        starts = np.asarray(windows.starts[first:end], dtype="int32")
+        group["start"] = ops.convert_to_tensor(starts)
+        view = View(width, windows.sinks, masking.is_causal, masking.band)
+        groups.append((group, view))
+    return groups
+
+
+def _windowed(chunk, shared, key, value, view, options):
+    """`(chunk, shared, key, value)` over the keys of `view` (a `View`):
+    the first `sinks` keys, then `width` from `chunk["start"]`, their masks
+    and segments too; the masks by position built from the keys' positions
+    (`chunk["causal"]`)."""
+    axis = 2 if options.heads_major else 1
+    chunk = dict(chunk)
+    if view.width is None:
+        keys = ops.arange(0, ops.shape(key)[axis], dtype="int32")
+    else:
+        start, window = chunk["start"], (view.width, view.sinks)
+        key, value = (_keys_of(x, axis, start, window) for x in (key, value))
+        shared = {name: _keys_of(x, -1, start, window) for name, x in shared.items()}
+        if "mask" in chunk:
+            chunk["mask"] = _keys_of(chunk["mask"], -1, start, window)
+        keys = ops.arange(0, view.width, dtype="int32") + start
+        keys = ops.concatenate([ops.arange(0, view.sinks, dtype="int32"), keys])
+    if "offset" in chunk:  # (C, sinks + width)
+        queries = chunk.pop("offset") + ops.arange(
+            0, chunk["query"].shape[1], dtype="int32"
+        )
+        chunk["causal"] = _by_position(queries, keys, view)
+    return chunk, shared, key, value
+
+
+def _by_position(queries, keys, view):
+    """The masks by position `(C, S)` of `queries` over `keys` (positions)."""
+    after = keys[None, :] - queries[:, None]  # key - query
+    mask = after <= 0 if view.is_causal else None
+    if view.band is not None:
+        band = ops.abs(after) < view.band.window
+        if view.band.sinks:
+            band = ops.logical_or(band, keys[None, :] < view.band.sinks)
+        mask = band if mask is None else ops.logical_and(mask, band)
+    return mask
+
+
+def _keys_of(x, axis, start, window):
+    """`x`'s first `sinks` and `width` from `start` on the keys' `axis`
+    (as it is where that axis broadcasts)."""
+    width, sinks = window
+    axis = axis % len(x.shape)
+    if x.shape[axis] == 1:
+        return x
+    starts = [0] * len(x.shape)
+    starts[axis] = start
+    shape = list(ops.shape(x))
+    shape[axis] = width
+    part = ops.slice(x, starts, shape)
+    if not sinks:
+        return part
+    first = x[(slice(None),) * axis + (slice(0, sinks),)]
+    return ops.concatenate([first, part], axis=axis)
+
+
+def _add_keys(total, part, chunk, view, options):
+    """`total` `(B, S, K, D)` (or heads-major) with `part`, the gradient of
+    the keys `_keys_of` took for `view`, added where they came from."""
+    if view.width is None:
+        return total + part
+    width, sinks = view.width, view.sinks
+    axis = 2 if options.heads_major else 1
+    starts = [0] * 4
+    if sinks:
+        shape = list(ops.shape(total))
+        shape[axis] = sinks
+        first = ops.slice(total, starts, shape)
+        sink_part = part[(slice(None),) * axis + (slice(0, sinks),)]
+        total = ops.slice_update(total, starts, first + sink_part)
+        part = part[(slice(None),) * axis + (slice(sinks, None),)]
+    starts[axis] = chunk["start"]
+    return ops.slice_update(
+        total, starts, _keys_of(total, axis, chunk["start"], (width, 0)) + part
+    )
+
+
+def _stacked(parts):
+    """The groups' stacks `(N_g, ...)` as one `(N, ...)` (one as it is)."""
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
 
 
 def _put(stack, index, x):

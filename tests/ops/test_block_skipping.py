@@ -1,0 +1,147 @@
+"""Block skipping on the chunked path (`keras_attn/ops/kernels/blocks.py`):
+each chunk of query rows computes only the keys a mask by position may leave
+visible, and the numbers are those of all keys."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_attn
+from keras_attn.ops.kernels import blocks, explicit
+from tests.helpers.backend import compiled_value_and_gradients
+from tests.helpers.builders import random_floats
+
+# (is_causal, window, sinks) with the numpy mask they stand for.
+STRUCTURES = {
+    "causal": (True, None, 0),
+    "window": (False, 5, 0),
+    "causal window with sinks": (True, 6, 2),
+}
+
+
+def numpy_mask(length, key_length, is_causal, window, sinks):
+    rows, keys = np.arange(length)[:, None], np.arange(key_length)[None]
+    mask = np.ones((length, key_length), bool)
+    if window is not None:
+        mask = (np.abs(rows - keys) < window) | (keys < sinks)
+    return mask & (keys <= rows) if is_causal else mask
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_each_chunk_visits_exactly_the_keys_its_rows_may_see(structure, monkeypatch):
+    """With a group per chunk, a chunk's keys are the sinks and one range
+    that holds every key one of its rows sees, and no key that none sees:
+    a key hidden from the whole chunk fails the test (27 rows in chunks of
+    4, the last padded)."""
+    monkeypatch.setattr(blocks, "MAX_GROUPS", 100)
+    is_causal, window, sinks = STRUCTURES[structure]
+    length, rows, count = 27, 4, 7
+    band = blocks.KeyBand(window, sinks) if window else None
+    windows = blocks.key_windows(length, length, count, rows, is_causal, band)
+    mask = numpy_mask(length, length, is_causal, window, sinks)
+    widths = {
+        i: width for first, end, width in windows.groups for i in range(first, end)
+    }
+    for i, start in enumerate(windows.starts):
+        seen = mask[i * rows : (i + 1) * rows].any(axis=0)  # (S,)
+        visited = np.zeros(length, bool)
+        visited[: windows.sinks] = True
+        visited[start : start + widths[i]] = True
+        np.testing.assert_array_equal(
+            visited, seen | (np.arange(length) < windows.sinks)
+        )
+
+
+def test_causal_groups_visit_little_more_than_the_triangle():
+    """At most `MAX_GROUPS` loops: a causal call of 64 chunks computes at
+    most 0.6 of its logits (the triangle is 0.5); a key-padding-only call
+    has no structure."""
+    count = 64
+    windows = blocks.key_windows(count * 4, count * 4, count, 4, True, None)
+    assert len(windows.groups) <= blocks.MAX_GROUPS
+    visited = sum((end - first) * width for first, end, width in windows.groups)
+    assert visited <= 0.6 * count * count * 4
+    assert blocks.key_windows(64, 64, 16, 4, False, None) is None
+
+
+def attend_counting(monkeypatch):
+    """`explicit.scores`, spied: the key lengths of each chunk's logits as
+    traced (once per loop on JAX and TensorFlow, once per chunk on PyTorch)."""
+    widths = []
+    original = explicit.scores
+
+    def spy(query, key, options):
+        out = original(query, key, options)
+        widths.append(out.shape[-1])
+        return out
+
+    monkeypatch.setattr(explicit, "scores", spy)
+    return widths
+
+
+@pytest.mark.parametrize(
+    "structure, heads_major", [("causal", True), ("causal window with sinks", False)]
+)
+def test_skipped_blocks_give_the_numbers_of_all_keys(
+    structure, heads_major, small_chunks, monkeypatch
+):
+    """A band by position (sliding window, sinks, causal; or causal with
+    heads-major keys and sink logits), with keys padded per row, compiled as
+    each backend trains: output and gradients of the query, keys and values
+    equal the materialized path's with the band as a numpy mask, and some
+    chunks computed fewer than 27 keys."""
+    is_causal, window, sinks = STRUCTURES[structure]
+    q = random_floats(2, 27, 4, 8, seed=1, scale=3.0)
+    layout = (2, 2, 27) if heads_major else (2, 27, 2)
+    k, v = random_floats(*layout, 8, seed=2), random_floats(*layout, 6, seed=3)
+    # Keys padded per row; the reference has the band as a numpy mask.
+    padding = np.random.default_rng(5).random((2, 1, 1, 27)) > 0.2
+    band = None if window is None else (window, sinks)
+    sink_logits = random_floats(4, seed=6) if heads_major else None
+
+    def attend(q, k, v, mask=padding, band=band):
+        return keras_attn.ops.attention.attend(
+            q, k, v, mask=mask, is_causal=is_causal, band=band,
+            heads_major=heads_major, sink_logits=sink_logits,
+        )  # fmt: skip
+
+    def reference(q, k, v):
+        band_mask = True if window is None else numpy_mask(27, 27, False, window, sinks)
+        return attend(q, k, v, mask=padding & band_mask, band=None)
+
+    widths = attend_counting(monkeypatch)
+    ours = compiled_value_and_gradients(attend, q, k, v)
+    assert small_chunks.calls, "the chunked path did not run"
+    assert widths and min(widths) < 27, widths
+    small_chunks()
+    reference = compiled_value_and_gradients(reference, q, k, v)
+    for a, b in zip(
+        keras.tree.flatten(ours), keras.tree.flatten(reference), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sliding_window_layer_skips_keys_and_keeps_its_numbers(
+    small_chunks, monkeypatch
+):
+    """`MultiHeadAttention(sliding_window=4, attention_sinks=1)`, causal:
+    the chunks see at most the sinks and `4 + window - 1` keys, and the
+    output equals the materialized path's."""
+    layer = keras_attn.layers.MultiHeadAttention(
+        num_heads=2,
+        key_dim=4,
+        sliding_window=4,
+        attention_sinks=1,
+        flash_attention=False,
+    )
+    x = random_floats(2, 23, 8, seed=4)
+    widths = attend_counting(monkeypatch)
+    ours = layer(x, use_causal_mask=True)
+    assert small_chunks.calls and widths and max(widths) <= 1 + 4 + 3, widths
+    small_chunks()
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(ours),
+        keras.ops.convert_to_numpy(layer(x, use_causal_mask=True)),
+        atol=1e-5,
+        rtol=1e-5,
+    )
