@@ -91,3 +91,16 @@ def test_dtype_policy_map_keys_match_their_sublayer_only():
         assert [p for p in paths if re.search(key, p)] == [
             p for p in paths if re.fullmatch(key, p)
         ], key
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="XLA's GPU int8 dot (JAX, TensorFlow)")
+def test_int8_is_refused_on_an_xla_gpu_where_no_route_reaches(monkeypatch):
+    """A Keras that contracts where `_int8` cannot pad is refused on a GPU,
+    not left with XLA's wrong int8 dot."""
+    monkeypatch.setattr(_keras_compat, "INT8_ROUTE", None)
+    monkeypatch.setattr(keras.distribution, "list_devices", lambda: ["gpu:0"])
+    layer = _int8.Dense(6)
+    layer.build((2, 9))
+    with pytest.raises(NotImplementedError, match="Received: mode='int8'"):
+        layer.quantize("int8")
+    layer.quantize("float8")  # no int8 dot

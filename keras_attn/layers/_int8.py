@@ -67,12 +67,12 @@ def pad_axes(x, spec, pads):
 def _require_route(mode):
     """Refuses int8 on an XLA GPU with a Keras whose int8 contraction `_int8`
     cannot reach (`_keras_compat.INT8_ROUTE`)."""
-    gpu = any(
-        device.lower().startswith(("gpu", "cuda"))
-        for device in keras.distribution.list_devices()
-    )
-    xla_gpu = keras.config.backend() in XLA_BACKENDS and gpu
-    if mode in ("int8", "int4") and xla_gpu and _keras_compat.INT8_ROUTE is None:
+    if _keras_compat.INT8_ROUTE is not None or mode not in ("int8", "int4"):
+        return
+    if keras.config.backend() not in XLA_BACKENDS:  # PyTorch: nothing to pad
+        return
+    devices = keras.distribution.list_devices()
+    if any(device.lower().startswith(("gpu", "cuda")) for device in devices):
         raise NotImplementedError(
             "keras_attn pads the int8 contractions of its projections on XLA "
             "GPUs (whose int8 dot is wrong for contracted sizes that are not "
