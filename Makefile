@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 BACKENDS := jax tensorflow torch
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format clean
+.PHONY: demo test test-compat lint format clean
 
 # Every installed module is byte-compiled once, on both cores (pip alone takes
 # one: 98 s -> 75 s): machines that set PYTHONDONTWRITEBYTECODE (ours does)
@@ -50,6 +50,42 @@ test: lint
 	done; \
 	if [ -n "$$failed" ]; then echo "FAILED on:$$failed"; exit 1; fi; \
 	echo "all backends passed: $(BACKENDS)"
+
+# Every Keras in the declared range (pyproject.toml: the floor, the newest
+# release), on JAX and PyTorch: a venv per Keras under .venv/compat that
+# holds only that Keras and reads every other package from .venv, then the
+# tests of every Keras-facing feature (layers, ops, quantization, saving,
+# decoding). `make test-compat KERAS_NIGHTLY=1` adds keras-nightly, with
+# keras-hub-nightly (keras-hub 0.32 does not import on Keras 3.16).
+COMPAT_KERAS ?= 3.15.0 3.15.1
+COMPAT_BACKENDS ?= jax torch
+COMPAT_TESTS ?= tests/test_keras_compat.py tests/layers tests/ops \
+	tests/generation/test_decoding.py tests/generation/test_strategies.py
+KERAS_NIGHTLY ?=
+COMPAT := $(VENV)/compat
+compat_pip = $(BIN)/python -m pip --python $(COMPAT)/$(1)/bin/python install \
+	--quiet --no-deps --ignore-installed --no-compile
+
+$(COMPAT)/%/.installed: $(BIN)/.installed
+	rm -rf $(COMPAT)/$*
+	$(BIN)/python -m venv --without-pip $(COMPAT)/$*
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+		> $$($(COMPAT)/$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/main.pth
+	if [ "$*" = nightly ]; then $(call compat_pip,$*) --pre keras-nightly keras-hub-nightly; \
+	else $(call compat_pip,$*) "keras==$*"; fi
+	touch $@
+
+test-compat: $(foreach v,$(COMPAT_KERAS) $(if $(KERAS_NIGHTLY),nightly),$(COMPAT)/$(v)/.installed)
+	@failed=""; for keras in $(COMPAT_KERAS) $(if $(KERAS_NIGHTLY),nightly); do \
+		for backend in $(COMPAT_BACKENDS); do \
+			echo "=== Keras $$keras, KERAS_BACKEND=$$backend"; \
+			KERAS_BACKEND=$$backend $(THREADS) $(COMPAT)/$$keras/bin/python -m pytest -q \
+				-p no:cacheprovider -n $(WORKERS) --dist loadfile $(COMPAT_TESTS) \
+				$(PYTEST_ARGS) || failed="$$failed $$keras/$$backend"; \
+		done; \
+	done; \
+	if [ -n "$$failed" ]; then echo "FAILED on:$$failed"; exit 1; fi; \
+	echo "every Keras passed: $(COMPAT_KERAS) $(if $(KERAS_NIGHTLY),nightly)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

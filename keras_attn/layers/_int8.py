@@ -9,21 +9,27 @@ zero-pad each contracted axis of the quantized inputs and kernel to a
 multiple of 4 just before that dot. Zeros add nothing to an integer sum, so
 every number is Keras' own. Elsewhere (CPUs, PyTorch) nothing is padded.
 
-Only that one contraction is rewritten: in `_int8_call`, the forward pass of
-Keras' custom gradient. Quantizing, the inputs' gradient, LoRA, bias and
-activation follow Keras' code line for line, and every other mode (float,
-int4, float8, weight-only int8) is Keras' layer untouched. Keras refuses to
-quantize a subclass (`type_check`, meant for subclasses that change `call`);
-these change no `call`, so they quantize as their parents do.
+Only that one contraction is rewritten, where Keras makes it
+(`keras_attn._keras_compat.INT8_ROUTE`): on Keras 3.15 in `_int8_call`, the
+forward pass of Keras' custom gradient, whose quantizing, inputs' gradient,
+LoRA, bias and activation follow Keras' code line for line; on Keras 3.16 in
+the `contract` of the layer's quantization geometry, which Keras' int8 (and
+int4, whose unpacked kernel is int8) strategies call, so all else is Keras'
+strategy. Every other mode (float, float8, weight-only int8) is Keras' layer
+untouched. Keras 3.15 refuses to quantize a subclass (`type_check`, meant for
+subclasses that change `call`); these change no `call`, so they quantize as
+their parents do.
 
-The padded call uses the int8 internals of Keras 3.15 (`inputs_quantizer`,
-`quantization_axis`, `_adjust_scale_for_quant`); a Keras without them gets
-its own int8 call, fault included (each class's `keras_internals`).
+A Keras with neither route is refused where padding is needed (an XLA GPU),
+never silently left with its fault.
 """
+
+import functools
 
 import keras
 from keras import ops
 
+from keras_attn import _keras_compat
 from keras_attn.ops.plan import platform_of
 
 MULTIPLE = 4  # XLA's GPU int8 dot: contracted sizes that are multiples of 4
@@ -58,20 +64,62 @@ def pad_axes(x, spec, pads):
     return ops.pad(x, widths)
 
 
+def _require_route(mode):
+    """Refuses int8 on an XLA GPU with a Keras whose int8 contraction `_int8`
+    cannot reach (`_keras_compat.INT8_ROUTE`)."""
+    if _keras_compat.INT8_ROUTE is not None or mode not in ("int8", "int4"):
+        return
+    if keras.config.backend() not in XLA_BACKENDS:  # PyTorch: nothing to pad
+        return
+    devices = keras.distribution.list_devices()
+    if any(device.lower().startswith(("gpu", "cuda")) for device in devices):
+        raise NotImplementedError(
+            "keras_attn pads the int8 contractions of its projections on XLA "
+            "GPUs (whose int8 dot is wrong for contracted sizes that are not "
+            f"multiples of 4), and Keras {keras.version()} makes them where it "
+            f"cannot reach. Received: mode={mode!r}. Use Keras 3.15 or 3.16, "
+            "or another quantization mode."
+        )
+
+
+@functools.cache
+def _padded_geometry(geometry_class):
+    """Keras 3.16's projection geometry `geometry_class`, its int8 x int8
+    contractions padded on XLA GPUs."""
+
+    class PaddedGeometry(geometry_class):
+        def contract(self, inputs, kernel):
+            dtypes = {
+                keras.backend.standardize_dtype(x.dtype) for x in (inputs, kernel)
+            }
+            pads = {}
+            if dtypes == {"int8"}:  # int8 x int8: an int8 dot
+                pads = padding(self.layer.contraction, kernel.shape, inputs)
+            if pads:
+                inputs_spec, rest = self.layer.contraction.split(",")
+                inputs = pad_axes(inputs, inputs_spec, pads)
+                kernel = pad_axes(kernel, rest.split("->")[0], pads)
+            return super().contract(inputs, kernel)
+
+    return PaddedGeometry
+
+
 class PaddedInt8:
     """The int8 call of a Keras `EinsumDense` or `Dense` subclass, its int8
     contraction padded on XLA backends; everything else is the parent's."""
 
     def quantize(self, mode=None, type_check=True, **kwargs):
+        _require_route(mode)
         super().quantize(mode, type_check=False, **kwargs)
 
-    def _int8_call(self, inputs, training=None):
+    def _quantization_geometry(self):  # Keras 3.16's route
+        geometry = super()._quantization_geometry()
+        return _padded_geometry(type(geometry))(self)
+
+    def _int8_call(self, inputs, training=None):  # Keras 3.15's route
         pads = padding(self.contraction, self._kernel.shape, inputs)
-        if not (
-            pads
-            and all(hasattr(self, name) for name in self.keras_internals)
-            and self.inputs_quantizer
-        ):
+        route = pads and _keras_compat.INT8_ROUTE == "int8_call"
+        if not (route and self.inputs_quantizer):  # weight-only: no int8 dot
             return super()._int8_call(inputs, training)
         x = self.padded_int8_contraction(pads)(
             inputs,
@@ -93,12 +141,6 @@ class PaddedInt8:
 @keras.saving.register_keras_serializable(package="keras_attn")
 class EinsumDense(PaddedInt8, keras.layers.EinsumDense):
     """`keras.layers.EinsumDense`, its int8 contraction padded for XLA."""
-
-    keras_internals = (
-        "inputs_quantizer",
-        "quantization_axis",
-        "_adjust_scale_for_quant",
-    )
 
     @property
     def contraction(self):
@@ -139,8 +181,6 @@ class EinsumDense(PaddedInt8, keras.layers.EinsumDense):
 @keras.saving.register_keras_serializable(package="keras_attn")
 class Dense(PaddedInt8, keras.layers.Dense):
     """`keras.layers.Dense`, its int8 contraction padded for XLA."""
-
-    keras_internals = ("inputs_quantizer",)
 
     contraction = "...a,ab->...b"
 

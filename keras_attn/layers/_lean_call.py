@@ -38,12 +38,8 @@ own `kernel` property, LoRA included.
 
 import keras
 
+from keras_attn._keras_compat import get_autocast_scope
 from keras_attn.ops.dtypes import dtype_name
-
-try:  # Keras' autocast scope: no public way to ask for it (Keras 3.15).
-    from keras.src.backend.common.variables import get_autocast_scope
-except ImportError:  # another Keras: every sublayer through `__call__`
-    get_autocast_scope = None
 
 if keras.config.backend() == "torch":
     from keras_attn import _torch_eager as torch_eager

@@ -51,7 +51,7 @@ def dtype_config(layer):
     sublayers have policies of their own, and `build()` must recreate them so
     (quantized sublayers have other variables). They are saved, as keras-hub
     does, in a `DTypePolicyMap`, keyed by each sublayer's path relative to
-    `layer` (`.*/self_attention/query`), so that they match wherever the layer
+    `layer` (`.*/self_attention/query$`), so that they match wherever the layer
     sits after loading.
     """
     policy = _resolved_policy(layer)
@@ -61,7 +61,8 @@ def dtype_config(layer):
         own = _resolved_policy(sublayer)
         if keras.dtype_policies.serialize(own) != serialized:
             relative = sublayer.path.removeprefix(f"{layer.path}/")
-            overrides[f".*/{re.escape(relative)}"] = own
+            # Anchored: `.*/query` must not also match `.*/query_norm`.
+            overrides[f".*/{re.escape(relative)}$"] = own
     if not overrides:
         return serialized
     policy_map = keras.dtype_policies.DTypePolicyMap(policy, overrides)

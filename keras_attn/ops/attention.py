@@ -266,8 +266,7 @@ def _run(plan, query, key, value, mask, bias, is_causal, options, segments):
         )
         return output, None
     # The explicit path scales the query: T x D products rather than T x S.
-    dtype = keras.backend.standardize_dtype(query.dtype)
-    query = ops.multiply(query, ops.convert_to_tensor(options.scale, dtype=dtype))
+    query = _scaled(query, options.scale)
     if plan.kernel == "chunked":
         output = chunked.attention(
             query, key, value, mask, bias, is_causal, plan, options, segment_ids,
@@ -276,3 +275,15 @@ def _run(plan, query, key, value, mask, bias, is_causal, options, segments):
         return output, None
     causal_offset = 0 if is_causal else None
     return explicit.attention(query, key, value, mask, bias, causal_offset, options)
+
+
+def _scaled(query, scale):
+    """`query * scale` in the query's dtype. Keras' binary ops promote
+    float64 to float32 on PyTorch from Keras 3.16 (`result_type`'s 64 -> 32
+    rule, as JAX without x64), while its einsum is torch's, which keeps it;
+    a float64 query is scaled by an einsum with the scalar."""
+    dtype = keras.backend.standardize_dtype(query.dtype)
+    scale = ops.convert_to_tensor(scale, dtype=dtype)
+    if dtype == "float64":
+        return ops.einsum("...,->...", query, scale)
+    return ops.multiply(query, scale)
