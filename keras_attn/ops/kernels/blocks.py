@@ -1,5 +1,7 @@
 """Which keys each chunk of query rows can see, from what is known when the
-call is traced: the block structure of the chunked path.
+call is traced: the block structure of the chunked path, and how a chunk
+takes its window of keys (`keys_of`, `by_position`) and gives back their
+gradient (`add_keys`).
 
 A chunk of rows `[a, b)` can see only keys in one range (and the attention
 sinks): causal attention ends it at `b` (key `j <= i`), a sliding window
@@ -14,6 +16,8 @@ element by element, so the numbers are those of all keys.
 """
 
 from typing import NamedTuple
+
+from keras import ops
 
 # At most this many groups (loops) of chunks. Each is one more loop to trace
 # and compile; 8 leave a causal call about 0.56 of its logits
@@ -102,3 +106,58 @@ def _groups(widths, most):
         groups.append((start, end, max(widths[start:end])))
         end = start
     return groups[::-1]
+
+
+# How a chunk takes its window of keys, and gives back their gradient.
+
+
+def by_position(queries, keys, view):
+    """The masks by position `(C, S)` of `queries` over `keys` (positions),
+    as the chunked path's `view` says (its `is_causal` and `band`)."""
+    after = keys[None, :] - queries[:, None]  # key - query
+    mask = after <= 0 if view.is_causal else None
+    if view.band is not None:
+        band = ops.abs(after) < view.band.window
+        if view.band.sinks:
+            band = ops.logical_or(band, keys[None, :] < view.band.sinks)
+        mask = band if mask is None else ops.logical_and(mask, band)
+    return mask
+
+
+def keys_of(x, axis, start, window):
+    """`x`'s first `sinks` and `width` from `start` on the keys' `axis`
+    (as it is where that axis broadcasts)."""
+    width, sinks = window
+    axis = axis % len(x.shape)
+    if x.shape[axis] == 1:
+        return x
+    starts = [0] * len(x.shape)
+    starts[axis] = start
+    shape = list(ops.shape(x))
+    shape[axis] = width
+    part = ops.slice(x, starts, shape)
+    if not sinks:
+        return part
+    first = x[(slice(None),) * axis + (slice(0, sinks),)]
+    return ops.concatenate([first, part], axis=axis)
+
+
+def add_keys(total, part, chunk, view, options):
+    """`total` `(B, S, K, D)` (or heads-major) with `part`, the gradient of
+    the keys `_keys_of` took for `view`, added where they came from."""
+    if view.width is None:
+        return total + part
+    width, sinks = view.width, view.sinks
+    axis = 2 if options.heads_major else 1
+    starts = [0] * 4
+    if sinks:
+        shape = list(ops.shape(total))
+        shape[axis] = sinks
+        first = ops.slice(total, starts, shape)
+        sink_part = part[(slice(None),) * axis + (slice(0, sinks),)]
+        total = ops.slice_update(total, starts, first + sink_part)
+        part = part[(slice(None),) * axis + (slice(sinks, None),)]
+    starts[axis] = chunk["start"]
+    return ops.slice_update(
+        total, starts, keys_of(total, axis, chunk["start"], (width, 0)) + part
+    )

@@ -280,8 +280,10 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
         sums = {
             **sums,
             "rows": _put(sums["rows"], index, rows),
-            "key": _add_keys(sums["key"], grads["key"], chunk, window, options),
-            "value": _add_keys(sums["value"], grads["value"], chunk, window, options),
+            **{
+                name: blocks.add_keys(sums[name], grads[name], chunk, window, options)
+                for name in ("key", "value")
+            },
         }
         if per_row:
             sums["bias"] = _put(sums["bias"], index, grads["bias"])
@@ -426,69 +428,18 @@ def _windowed(chunk, shared, key, value, view, options):
         keys = ops.arange(0, ops.shape(key)[axis], dtype="int32")
     else:
         start, window = chunk["start"], (view.width, view.sinks)
-        key, value = (_keys_of(x, axis, start, window) for x in (key, value))
-        shared = {name: _keys_of(x, -1, start, window) for name, x in shared.items()}
+        key, value = (blocks.keys_of(x, axis, start, window) for x in (key, value))
+        shared = {n: blocks.keys_of(x, -1, start, window) for n, x in shared.items()}
         if "mask" in chunk:
-            chunk["mask"] = _keys_of(chunk["mask"], -1, start, window)
+            chunk["mask"] = blocks.keys_of(chunk["mask"], -1, start, window)
         keys = ops.arange(0, view.width, dtype="int32") + start
         keys = ops.concatenate([ops.arange(0, view.sinks, dtype="int32"), keys])
     if "offset" in chunk:  # (C, sinks + width)
         queries = chunk.pop("offset") + ops.arange(
             0, chunk["query"].shape[1], dtype="int32"
         )
-        chunk["causal"] = _by_position(queries, keys, view)
+        chunk["causal"] = blocks.by_position(queries, keys, view)
     return chunk, shared, key, value
-
-
-def _by_position(queries, keys, view):
-    """The masks by position `(C, S)` of `queries` over `keys` (positions)."""
-    after = keys[None, :] - queries[:, None]  # key - query
-    mask = after <= 0 if view.is_causal else None
-    if view.band is not None:
-        band = ops.abs(after) < view.band.window
-        if view.band.sinks:
-            band = ops.logical_or(band, keys[None, :] < view.band.sinks)
-        mask = band if mask is None else ops.logical_and(mask, band)
-    return mask
-
-
-def _keys_of(x, axis, start, window):
-    """`x`'s first `sinks` and `width` from `start` on the keys' `axis`
-    (as it is where that axis broadcasts)."""
-    width, sinks = window
-    axis = axis % len(x.shape)
-    if x.shape[axis] == 1:
-        return x
-    starts = [0] * len(x.shape)
-    starts[axis] = start
-    shape = list(ops.shape(x))
-    shape[axis] = width
-    part = ops.slice(x, starts, shape)
-    if not sinks:
-        return part
-    first = x[(slice(None),) * axis + (slice(0, sinks),)]
-    return ops.concatenate([first, part], axis=axis)
-
-
-def _add_keys(total, part, chunk, view, options):
-    """`total` `(B, S, K, D)` (or heads-major) with `part`, the gradient of
-    the keys `_keys_of` took for `view`, added where they came from."""
-    if view.width is None:
-        return total + part
-    width, sinks = view.width, view.sinks
-    axis = 2 if options.heads_major else 1
-    starts = [0] * 4
-    if sinks:
-        shape = list(ops.shape(total))
-        shape[axis] = sinks
-        first = ops.slice(total, starts, shape)
-        sink_part = part[(slice(None),) * axis + (slice(0, sinks),)]
-        total = ops.slice_update(total, starts, first + sink_part)
-        part = part[(slice(None),) * axis + (slice(sinks, None),)]
-    starts[axis] = chunk["start"]
-    return ops.slice_update(
-        total, starts, _keys_of(total, axis, chunk["start"], (width, 0)) + part
-    )
 
 
 def _stacked(parts):
