@@ -144,7 +144,7 @@ def keys_of(x, axis, start, window):
 
 def add_keys(total, part, chunk, view, options):
     """`total` `(B, S, K, D)` (or heads-major) with `part`, the gradient of
-    the keys `_keys_of` took for `view`, added where they came from."""
+    the keys `keys_of` took for `view`, added where they came from."""
     if view.width is None:
         return total + part
     width, sinks = view.width, view.sinks
