@@ -15,6 +15,7 @@ from `start`. Keys inside a window that the masks hide are still masked
 element by element, so the numbers are those of all keys.
 """
 
+import functools
 from typing import NamedTuple
 
 from keras import ops
@@ -44,6 +45,9 @@ class KeyWindows(NamedTuple):
     sinks: int
 
 
+# Asked on every call with the same static shapes (eager PyTorch traces
+# nothing), and the group search costs seconds at thousands of chunks.
+@functools.lru_cache(maxsize=64)
 def key_windows(length, key_length, count, rows, is_causal, band):
     """The `KeyWindows` of `count` chunks of `rows` query rows (the first at
     position 0, `length` of them real) over `key_length` keys, or `None`
