@@ -11,6 +11,8 @@ fails when a Keras release moves it.
   and the tests read, needs Keras 3.15; so do the internals below.
 - `get_autocast_scope`: Keras' autocast scope, which no public API reads
   (`layers/_lean_call.py` asks whether `Layer.__call__` would change it).
+- `in_stateless_scope`: whether a call runs in Keras' stateless scope (a JAX
+  trainer's step), where `_checks` reads no value (`_checks.in_keras_step`).
 - `INT8_ROUTE`: where Keras' int8 `Dense` and `EinsumDense` contract their
   int8 operands, for `layers/_int8.py` to pad on XLA GPUs:
   - `"int8_call"` (Keras 3.15): each layer's `_int8_call`, with
@@ -57,6 +59,11 @@ try:  # no public way to read the autocast scope (Keras 3.15, 3.16)
     from keras.src.backend.common.variables import get_autocast_scope
 except ImportError:  # a Keras that moved it: every sublayer through `__call__`
     get_autocast_scope = None
+
+try:  # no public way to ask for the stateless scope (Keras 3.15, 3.16)
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+except ImportError:  # a Keras that moved it: values read as before
+    in_stateless_scope = None
 
 
 def _accepts(function, name):

@@ -77,6 +77,12 @@ def test_the_autocast_scope_is_read_where_keras_sets_it():
     assert keras.backend.standardize_dtype(scopes[0].dtype) == "float16"
 
 
+def test_the_stateless_scope_is_read_where_keras_opens_it():
+    assert not _keras_compat.in_stateless_scope()
+    with keras.StatelessScope():
+        assert _keras_compat.in_stateless_scope()
+
+
 def test_dtype_policy_map_keys_match_their_sublayer_only():
     """Keys are anchored: the int8 `query` must not reach `query_norm`
     (Keras up to 3.11 matched keys with `re.search`)."""

@@ -7,11 +7,7 @@ import keras
 from keras import ops
 
 from keras_attn._checks.arguments import check_bool, check_positive_float
-
-try:  # Keras' stateless scope: no public way to ask for it (Keras 3.15).
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-except ImportError:  # another Keras: values read as before
-    in_stateless_scope = None
+from keras_attn._keras_compat import in_stateless_scope
 
 
 def check_rank(name, shape, rank, description):

@@ -445,9 +445,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         )
 
     def _lora_targets(self):
-        projections = (self.query_dense, self.key_dense, self.gate_dense)
-        projections += (self.value_dense, self.output_dense)
-        return [p for p in projections if p is not None]
+        names = ("query", "key", "gate", "value", "output")
+        return [p for n in names if (p := getattr(self, f"{n}_dense")) is not None]
 
     def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
         value_shape = query_shape if value_shape is None else value_shape
@@ -493,11 +492,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         return config
 
 
-_KERAS_OBJECTS = (
-    "kernel_initializer",
-    "bias_initializer",
-    "kernel_regularizer",
-    "bias_regularizer",
-    "kernel_constraint",
-    "bias_constraint",
+_KERAS_OBJECTS = tuple(  # kernel_initializer, bias_initializer, ...
+    f"{weight}_{kind}"
+    for kind in ("initializer", "regularizer", "constraint")
+    for weight in ("kernel", "bias")
 )
