@@ -88,12 +88,22 @@ def _projection_geometries():
     for cls, layer in zip(
         classes, (keras.layers.Dense, keras.layers.EinsumDense), strict=True
     ):
-        method = getattr(layer, "_quantization_geometry", None)
-        if cls is None or method is None or type(method(None)) is not cls:
+        if cls is None or type(_geometry_of(layer)) is not cls:
             return None  # the layer no longer contracts through `cls`
         if not (_accepts(cls.contract, "inputs") and _accepts(cls.contract, "kernel")):
             return None
     return classes
+
+
+def _geometry_of(layer_class):
+    """The geometry `layer_class._quantization_geometry` gives (Keras 3.16's
+    reads no attribute of the layer), or `None` where there is none or it
+    cannot be had so: read at import, where nothing may raise."""
+    method = getattr(layer_class, "_quantization_geometry", None)
+    try:
+        return None if method is None else method(None)
+    except Exception:  # another Keras's method, which reads the layer
+        return None
 
 
 def _int8_call_route():

@@ -110,3 +110,15 @@ def test_int8_is_refused_on_an_xla_gpu_where_no_route_reaches(monkeypatch):
     with pytest.raises(NotImplementedError, match="Received: mode='int8'"):
         layer.quantize("int8")
     layer.quantize("float8")  # no int8 dot
+
+
+def test_a_geometry_that_reads_its_layer_is_no_route_and_import_raises_nothing():
+    """The route is read at import from the class: a Keras whose
+    `_quantization_geometry` reads the layer gives no route, not an error."""
+
+    class ReadsItsLayer:
+        def _quantization_geometry(self):
+            return self.kernel
+
+    assert _keras_compat._geometry_of(ReadsItsLayer) is None
+    assert _keras_compat._geometry_of(object) is None
