@@ -110,6 +110,10 @@ def test_int8_is_refused_on_an_xla_gpu_where_no_route_reaches(monkeypatch):
     with pytest.raises(NotImplementedError, match="Received: mode='int8'"):
         layer.quantize("int8")
     layer.quantize("float8")  # no int8 dot
+    loaded = _int8.Dense(6, dtype=keras.dtype_policies.get("int8_from_float32"))
+    with pytest.raises(NotImplementedError, match="Received: mode='int8'"):
+        loaded.build((2, 9))  # as a saved int8 model loads: built quantized
+    assert not loaded.weights
 
 
 def test_a_geometry_that_reads_its_layer_is_no_route_and_import_raises_nothing():
