@@ -45,13 +45,18 @@ class KeyWindows(NamedTuple):
     sinks: int
 
 
-# Asked on every call with the same static shapes (eager PyTorch traces
-# nothing), and the group search costs seconds at thousands of chunks.
-@functools.lru_cache(maxsize=64)
 def key_windows(length, key_length, count, rows, is_causal, band):
     """The `KeyWindows` of `count` chunks of `rows` query rows (the first at
     position 0, `length` of them real) over `key_length` keys, or `None`
     where every chunk sees every key."""
+    return _key_windows(length, key_length, count, rows, is_causal, band, MAX_GROUPS)
+
+
+# Asked on every call with the same static shapes (eager PyTorch traces
+# nothing), and the group search costs seconds at thousands of chunks. The
+# most groups is an argument, so that a cached answer is never another's.
+@functools.lru_cache(maxsize=64)
+def _key_windows(length, key_length, count, rows, is_causal, band, most):
     if not is_causal and (band is None or band.window is None):
         return None
     window = None if band is None else band.window
@@ -62,7 +67,7 @@ def key_windows(length, key_length, count, rows, is_causal, band):
         for i in range(count)
     ]  # fmt: skip
     widths = [max(high - low, 1) for low, high in ranges]
-    groups = _groups(widths, MAX_GROUPS)
+    groups = _groups(widths, most)
     if all(sinks + width >= key_length for _, _, width in groups):
         return None
     starts = []
