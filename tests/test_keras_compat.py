@@ -78,6 +78,7 @@ def test_the_autocast_scope_is_read_where_keras_sets_it():
 
 
 def test_the_stateless_scope_is_read_where_keras_opens_it():
+    assert _keras_compat.in_stateless_scope is not None, "Keras moved it"
     assert not _keras_compat.in_stateless_scope()
     with keras.StatelessScope():
         assert _keras_compat.in_stateless_scope()
@@ -114,6 +115,17 @@ def test_int8_is_refused_on_an_xla_gpu_where_no_route_reaches(monkeypatch):
     with pytest.raises(NotImplementedError, match="Received: mode='int8'"):
         loaded.build((2, 9))  # as a saved int8 model loads: built quantized
     assert not loaded.weights
+
+
+def test_the_padded_layers_build_as_keras_layers_do():
+    """Keras reads `build`'s argument names: a lazy build from a call and
+    the saved build config work as on Keras' own layers."""
+    layer = _int8.Dense(6)
+    layer(np.ones((2, 9), "float32"))  # built from the call
+    assert layer.get_build_config() == {"input_shape": (2, 9)}
+    einsum = _int8.EinsumDense("ab,bc->ac", output_shape=6)
+    einsum.build_from_config(layer.get_build_config())
+    assert tuple(einsum.kernel.shape) == (9, 6)
 
 
 def test_a_geometry_that_reads_its_layer_is_no_route_and_import_raises_nothing():

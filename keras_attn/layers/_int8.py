@@ -112,9 +112,9 @@ class PaddedInt8:
         _require_route(mode)
         super().quantize(mode, type_check=False, **kwargs)
 
-    def build(self, *args, **kwargs):  # built quantized: a loaded model
-        _require_route(getattr(self.dtype_policy, "quantization_mode", None))
-        super().build(*args, **kwargs)
+    def build(self, input_shape):  # built quantized: a loaded model
+        _require_route(self.quantization_mode)
+        super().build(input_shape)
 
     def _quantization_geometry(self):  # Keras 3.16's route
         geometry = super()._quantization_geometry()
