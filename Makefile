@@ -53,7 +53,7 @@ test: lint
 		echo "=== KERAS_BACKEND=$$backend ($$(( $$(date +%s) - begin )) s into the tests)"; \
 		start=$$(date +%s); \
 		KERAS_BACKEND=$$backend $(THREADS) $(BIN)/python -m pytest -q -p no:cacheprovider \
-			-n $(WORKERS) --dist loadfile --durations=15 \
+			-n $(WORKERS) --dist loadfile --max-worker-restart=0 --durations=15 \
 			--doctest-modules keras_attn tests $(PYTEST_ARGS) || failed="$$failed $$backend"; \
 		echo "=== KERAS_BACKEND=$$backend took $$(( $$(date +%s) - start )) s"; \
 	done; \
@@ -89,7 +89,8 @@ test-compat: $(foreach v,$(COMPAT_KERAS) $(if $(KERAS_NIGHTLY),nightly),$(COMPAT
 		for backend in $(COMPAT_BACKENDS); do \
 			echo "=== Keras $$keras, KERAS_BACKEND=$$backend"; \
 			KERAS_BACKEND=$$backend $(THREADS) $(COMPAT)/$$keras/bin/python -m pytest -q \
-				-p no:cacheprovider -n $(WORKERS) --dist loadfile $(COMPAT_TESTS) \
+				-p no:cacheprovider -n $(WORKERS) --dist loadfile --max-worker-restart=0 \
+				$(COMPAT_TESTS) \
 				$(PYTEST_ARGS) || failed="$$failed $$keras/$$backend"; \
 		done; \
 	done; \

@@ -211,11 +211,13 @@ def test_example(started, name):
     process, output = started[name]
     _, _, last_line, files = EXAMPLES[name]
     try:
-        stdout, stderr = process.communicate(timeout=900)
+        # Under the suite's 15 minutes a test (pytest-timeout), so that this
+        # failure, with the example's output, is the one reported.
+        stdout, stderr = process.communicate(timeout=780)
     except subprocess.TimeoutExpired:
         process.kill()
         stdout, stderr = process.communicate()
-        pytest.fail(f"{name} did not finish in 15 minutes:\n{stdout[-3000:]}")
+        pytest.fail(f"{name} did not finish in 13 minutes:\n{stdout[-3000:]}")
     assert process.returncode == 0, (
         f"{name} exited with {process.returncode}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     )
