@@ -1,5 +1,6 @@
 """Argument and tensor checks, one message style, raised before any state
-changes (ground floor: imports nothing of ours but the version), by kind:
+changes (ground floor: imports nothing of ours but `_keras_compat`, the
+Keras internals, which imports only Keras), by kind:
 `arguments` (Python values), `tensors` (shapes, dtypes, a few values) and
 `configs` (saved configs).
 
