@@ -77,8 +77,11 @@ The form of a fused call:
   materializes the logits; repeated heads run the memory-efficient kernel.
 
 The explicit path materializes the weights, unless it may go in chunks: no
-dropout, no returned weights, static lengths, and at least `CHUNKED_FROM`
-logits per batch row (`H * T * S`).
+dropout, no returned weights, and at least `CHUNKED_FROM` logits per batch
+row (`H * T * S`). Lengths known only at run time (TensorFlow with
+`keras.Input((None, width))`, `RUNTIME_CHUNKS`) go in chunks counted in the
+graph by the same rule, which puts a call under `CHUNKED_FROM` logits in one
+chunk: the materialized computation, with the chunked path's gradient.
 
 In chunks, a chunk of query rows computes only the keys that the masks by
 position may leave visible (`kernels/blocks.py`): with `is_causal` (keys up
@@ -98,6 +101,7 @@ the fused kernel on JAX and slower on PyTorch.
 import dataclasses
 
 import keras
+from keras import ops
 
 from keras_attn._checks import dims_differ
 
@@ -129,6 +133,14 @@ MIN_CHUNK_ROWS = 16
 # gradient of Keras' `scan` does not compile under XLA.
 CHUNKS_REMATERIALIZED = ("torch",)
 
+# Where a length is known only at run time (a TensorFlow graph traced with
+# `keras.Input((None, width))`), these backends still go in chunks: their
+# count and rows computed from the lengths in the graph (`RUNTIME`). XLA
+# compiles such a graph for each concrete shape, so the loop is static there.
+# JAX always traces concrete shapes (`jax.export`'s symbolic ones aside).
+RUNTIME_CHUNKS = ("tensorflow",)
+RUNTIME = "runtime"
+
 # Rule 4's reason.
 FLASH_DISABLED = "flash attention disabled by keras.config.disable_flash_attention()"
 # Rule 7's reason.
@@ -152,7 +164,10 @@ class AttentionPlan:
             composite kernel.
         composite: bool. PyTorch's composite kernel only (`torch.export`
             tracing a dynamic length).
-        chunk_rows: int or `None`. Query rows per chunk (`"chunked"` only).
+        chunk_rows: int, `"runtime"` or `None`. Query rows per chunk
+            (`"chunked"` only); `"runtime"` where the lengths are known only
+            at run time: the same rule, computed then
+            (`runtime_rows_per_chunk`).
         chunk_gradient: `"own"` (FlashAttention's backward pass from each
             row's log-sum-exp) or `"remat"` (each chunk recomputed by
             `keras.remat`); `"chunked"` only.
@@ -165,7 +180,7 @@ class AttentionPlan:
     repeat_key_value_heads: bool = False
     require_fused: bool = False
     composite: bool = False
-    chunk_rows: int | None = None
+    chunk_rows: int | str | None = None
     chunk_gradient: str | None = None
     not_fused: tuple = ()
 
@@ -235,7 +250,9 @@ def plan_attention(
         mask_shape = mask_shape or (query_shape[0], 1, query_shape[1], key_length)
     chunk_rows = None
     if not (dropout or return_scores):
-        chunk_rows = _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape)
+        chunk_rows = _rows_per_chunk(
+            query_shape, key_length, mask_shape, bias_shape, backend
+        )
     if flash_attention is None:
         not_fused += _explicit_here(backend, platform, chunk_rows)
         if segmented and chunk_rows:
@@ -343,18 +360,31 @@ def refuse_flash(reasons, received="", asked=None, advice=None):
     )
 
 
-def _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape):
-    """Query rows per chunk of the explicit path, or `None` to materialize:
-    lengths and the masks' query axes must be static."""
+def _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape, backend):
+    """Query rows per chunk of the explicit path, `RUNTIME` where the lengths
+    are known only at run time (`runtime_rows_per_chunk` then), or `None` to
+    materialize."""
     length, heads = query_shape[1], query_shape[2]
+    if not isinstance(heads, int):
+        return None
+    if not all(isinstance(n, int) for n in (length, key_length)):
+        return RUNTIME if backend in RUNTIME_CHUNKS else None
     broadcast = [shape[2:] for shape in (mask_shape, bias_shape) if shape is not None]
-    if not all(isinstance(n, int) for n in (length, heads, key_length)) or any(
-        None in shape for shape in broadcast
+    if any(None in shape for shape in broadcast) or (
+        heads * length * key_length < CHUNKED_FROM
     ):
         return None
-    if heads * length * key_length < CHUNKED_FROM:
-        return None
     return min(length, max(MIN_CHUNK_ROWS, CHUNK_LOGITS // (heads * key_length)))
+
+
+def runtime_rows_per_chunk(length, heads, key_length):
+    """`_rows_per_chunk`'s rule on lengths known only at run time (int32
+    tensors): all `length` rows in one chunk below `CHUNKED_FROM` logits,
+    which is the materialized computation."""
+    logits = heads * key_length
+    rows = ops.clip(CHUNK_LOGITS // ops.maximum(logits, 1), MIN_CHUNK_ROWS, length)
+    total = ops.cast(logits, "float32") * ops.cast(length, "float32")  # no overflow
+    return ops.where(total < CHUNKED_FROM, ops.maximum(length, 1), rows)
 
 
 def platform_of(tensor):

@@ -4,6 +4,7 @@ names its rule and the rule's source; the fixtures in tests/conftest.py
 install them."""
 
 import math
+import re
 
 from keras_attn.ops import attention as attention_module
 
@@ -294,3 +295,12 @@ def largest_array(function, *args):
         if hasattr(variable.aval, "shape")
     ]
     return max(sizes)
+
+
+def largest_xla_array(traced, *args):
+    """The most elements of any array in the XLA program TensorFlow compiles
+    for `traced(*args)` (a `tf.function(jit_compile=True)`): its optimized
+    HLO text writes each array's shape, e.g. `f32[1,2,32,256]`."""
+    hlo = traced.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
+    shapes = re.findall(r"\b(?:f32|pred|s32)\[([\d,]+)\]", hlo)
+    return max(math.prod(int(n) for n in shape.split(",")) for shape in shapes)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from keras_attn import SinusoidalEmbedding, TransformerEncoder
-from tests.helpers.backend import to_numpy
+from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.builders import random_floats
+from tests.helpers.doubles import largest_xla_array
 from tests.helpers.contract import run_layer_contract
 
 B, T, WIDTH = 3, 7, 12
@@ -106,3 +107,39 @@ def test_dropout_active_only_in_training():
         to_numpy(encoder(x)), to_numpy(encoder(x, training=False)), atol=1e-6
     )
     assert not np.allclose(to_numpy(encoder(x, training=True)), to_numpy(encoder(x)))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow traces unknown lengths")
+def test_variable_length_model_trains_in_chunks_under_xla(small_chunks):
+    """`keras.Input((None, width))` trained by `model.fit(jit_compile=True)`
+    on batches of two lengths: Keras traces the step with the length unknown,
+    and the attention still goes in chunks (4 rows here), counted in the
+    graph: XLA's program of a gradient step at 64 tokens holds no `(T, T)`
+    weights, where the materialized path's holds `B * H * T * T`."""
+    import tensorflow as tf
+
+    inputs = keras.Input((None, 8))
+    model = keras.Model(inputs, TransformerEncoder(16, num_heads=2)(inputs))
+    model.compile("adam", "mse", jit_compile=True)
+    spec = tf.TensorSpec((2, None, 8), tf.float32)
+
+    def batches():
+        for length in (64, 40):
+            x = random_floats(2, length, 8, seed=length)
+            yield x, x
+
+    data = tf.data.Dataset.from_generator(batches, output_signature=(spec, spec))
+    losses = model.fit(data, verbose=0).history["loss"]
+    assert np.isfinite(losses).all() and (2, None, 2, 4) in small_chunks.calls
+
+    @tf.function(input_signature=[spec], jit_compile=True)
+    def gradient(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    x = tf.constant(random_floats(2, 64, 8))
+    assert largest_xla_array(gradient, x) < 64 * 64
+    small_chunks()
+    gradient = tf.function(gradient.python_function, input_signature=[spec], jit_compile=True)
+    assert largest_xla_array(gradient, x) >= 2 * 2 * 64 * 64

@@ -2,8 +2,6 @@
 compiled as each backend trains, it equals the materialized path's, and under
 TensorFlow's XLA it keeps no weights of the whole length."""
 
-import re
-
 import keras
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from tests.helpers.backend import (
     value_and_gradients,
 )
 from tests.helpers.builders import random_floats
-from tests.helpers.doubles import largest_array
+from tests.helpers.doubles import largest_array, largest_xla_array
 
 CASES = {
     "causal, a mask and a bias per row, grouped heads, a soft cap": dict(
@@ -86,12 +84,90 @@ def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatc
                 total = tf.reduce_sum(output * output)
             return tape.gradient(total, q)
 
-        hlo = gradient.experimental_get_compiler_ir(q)(stage="optimized_hlo")
-        shapes = re.findall(r"\b(?:f32|pred|s32)\[([\d,]+)\]", hlo)
-        return max(np.prod([int(n) for n in shape.split(",")]) for shape in shapes)
+        return largest_xla_array(gradient, q)
 
     assert largest_array(1) == 2 * 32 * 256
     assert largest_array(float("inf")) >= 2 * 256 * 256
+
+
+def _tensorflow_unknown_lengths(fn, arrays, jit_compile):
+    """`fn` under `tf.function` traced with every length unknown (axis 1 of
+    each array, and a mask's two last axes), as Keras traces
+    `keras.Input((None, width))`; the gradients as
+    `compiled_value_and_gradients` takes them."""
+    import tensorflow as tf
+
+    def unknown(x, axes):
+        shape = list(np.shape(x))
+        for axis in axes:
+            shape[axis] = None
+        return tf.TensorSpec(shape, tf.as_dtype(np.asarray(x).dtype))
+
+    specs = [unknown(x, (1,) if np.ndim(x) == 4 else (-1,)) for x in arrays]
+    return tf.function(fn, input_signature=specs, jit_compile=jit_compile)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's unknown lengths")
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_tensorflow_lengths_known_at_run_time_go_in_chunks(jit_compile, small_chunks):
+    """A graph traced with the lengths unknown (`keras.Input((None, width))`)
+    still goes in chunks, counted in the graph (`plan.RUNTIME`; 11 rows in
+    chunks of 4): causal, masked, segment ids and sink logits, forward and
+    backward, equal to the materialized path, in a graph and under XLA."""
+    import tensorflow as tf
+
+    q = random_floats(2, 11, 4, 8, seed=1, scale=3.0)
+    k, v = random_floats(2, 11, 2, 8, seed=2), random_floats(2, 11, 2, 8, seed=3)
+    ids = np.array([[5] * 3 + [2] * 6 + [5] * 2, [1] * 11], dtype="int32")
+    sinks = random_floats(4, seed=4)
+    cotangent = tf.constant(random_floats(2, 11, 4, 8, seed=99))
+
+    def step(q, k, v, ids):
+        with tf.GradientTape() as tape:
+            tape.watch((q, k, v))
+            output = attn_ops.dot_product_attention(
+                q, k, v, is_causal=True, query_segment_ids=ids, sink_logits=sinks,
+                mask=tf.sequence_mask(tf.shape(k)[1] - 1 - tf.range(2), tf.shape(k)[1])[
+                    :, None, None
+                ],
+            )  # fmt: skip
+            total = tf.reduce_sum(output * cotangent[:, : tf.shape(q)[1]])
+        return output, tape.gradient(total, (q, k, v))
+
+    traced = _tensorflow_unknown_lengths(step, (q, k, v, ids), jit_compile)
+    ours = traced(q, k, v, ids)
+    assert small_chunks.calls == [(2, None, 4, 8)], small_chunks.calls
+    small_chunks()
+    theirs = step(*(tf.constant(x) for x in (q, k, v, ids)))
+    for a, b in zip(keras.tree.flatten(ours), keras.tree.flatten(theirs), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA program")
+def test_tensorflow_xla_keeps_no_weights_of_an_unknown_length(monkeypatch):
+    """Traced with its length unknown and compiled by XLA for 256 rows (2
+    heads, chunks of 32 rows by the rule computed in the graph), a gradient
+    step's largest array is a chunk's logits, not the `(T, S)` weights."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(plan, "CHUNK_LOGITS", 2 * 32 * 256)
+    monkeypatch.setattr(plan, "CHUNKED_FROM", 2 * 64 * 256)
+    q = random_floats(1, 256, 2, 8)
+
+    def gradient(q):
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            output = attn_ops.dot_product_attention(q, q, q, is_causal=True)
+            total = tf.reduce_sum(output * output)
+        return tape.gradient(total, q)
+
+    def largest(length):
+        x = q[:, :length]
+        traced = _tensorflow_unknown_lengths(gradient, [x], jit_compile=True)
+        return largest_xla_array(traced, x)
+
+    assert largest(256) == 2 * 32 * 256
+    assert largest(48) == 2 * 48 * 48  # under `CHUNKED_FROM`: one chunk
 
 
 def test_chunked_segment_ids_equal_their_materialized_mask(small_chunks):

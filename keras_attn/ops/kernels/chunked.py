@@ -37,6 +37,7 @@ from keras import ops
 from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.kernels import blocks, explicit
 from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
+from keras_attn.ops.plan import RUNTIME, runtime_rows_per_chunk
 
 
 class Masking(NamedTuple):
@@ -69,11 +70,10 @@ def attention(
     bias).
     """
     masking = Masking(mask, bias, is_causal, segment_ids, band)
-    length = query.shape[1]
-    count = -(-length // plan.chunk_rows)
-    rows = -(-length // count)  # the fewest padded rows for `count` chunks
+    length = ops.shape(query)[1]
+    count, rows = _layout(query, key, plan, options)
     windows = None
-    if bias is None:
+    if bias is None and isinstance(count, int):
         key_length = key.shape[2 if options.heads_major else 1]
         windows = blocks.key_windows(length, key_length, count, rows, is_causal, band)
     # What may need a gradient is an argument: the bias and the sinks too.
@@ -129,13 +129,28 @@ def attention(
     return attend(query, key, value, *extra.values())
 
 
+def _layout(query, key, plan, options):
+    """`(count, rows)`: how many chunks, and the rows of each (the fewest
+    padded rows for `count` chunks): Python ints, or int32 tensors where
+    the lengths are known only at run time (`plan.RUNTIME`)."""
+    length = ops.shape(query)[1]
+    rows = plan.chunk_rows
+    if rows == RUNTIME:
+        key_length = ops.shape(key)[2 if options.heads_major else 1]
+        rows = runtime_rows_per_chunk(length, query.shape[2], key_length)
+        count = ops.maximum(-(-length // rows), 1)  # a row-less call: 1 chunk
+        return count, -(-length // count)
+    count = -(-length // rows)
+    return count, -(-length // count)
+
+
 def _recomputed(query, key, value, masking, layout, options, extra):
     """`attention` with each chunk under `keras.remat`, differentiated by the
     backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`;
     `layout`: `(count, rows, windows)`; `extra`: the bias and sink logits
     that are given, by name."""
     count, rows, windows = layout
-    length = query.shape[1]
+    length = ops.shape(query)[1]
     chunks, all_shared = _split(query, masking, count, rows)
     batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
     first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
@@ -197,7 +212,8 @@ def _forward(chunks, all_shared, all_key, all_value, options, window=None):
     logits `(N, B, H, C, 1)`; `window`: the keys each computes (`_windowed`)."""
     value = all_value
 
-    def step(previous, chunk):
+    def step(previous, index):
+        chunk = {name: ops.take(x, index, axis=0) for name, x in chunks.items()}
         chunk, shared, key, value = _windowed(
             chunk, all_shared, all_key, all_value, window, options
         )
@@ -217,14 +233,18 @@ def _forward(chunks, all_shared, all_key, all_value, options, window=None):
 
     # `ops.scan`, not `ops.map`: TensorFlow's map runs 10 chunks at once. Its
     # scan wants outputs shaped like the carry, which is the previous chunk's
-    # output (unused).
+    # output (unused). It goes over the chunks' indices: Keras' TensorFlow
+    # scan fails for several inputs of unknown count (3.15.1: it asserts
+    # their counts on `None`), which the lengths known at run time give.
     query = chunks["query"]  # (N, B, C, H, D)
-    batch, rows, heads = ops.shape(query)[1], query.shape[2], query.shape[3]
+    count, batch, rows = (ops.shape(query)[axis] for axis in range(3))
     first = (
-        ops.zeros((batch, rows, heads, value.shape[-1]), dtype=value.dtype),
-        ops.zeros((batch, heads, rows, 1), dtype=at_least_float32(query.dtype)),
+        ops.zeros((batch, rows, query.shape[3], value.shape[-1]), dtype=value.dtype),
+        ops.zeros(
+            (batch, query.shape[3], rows, 1), dtype=at_least_float32(query.dtype)
+        ),
     )
-    return ops.scan(step, first, chunks)[1]
+    return ops.scan(step, first, ops.arange(count, dtype="int32"))[1]
 
 
 def _backward(
@@ -291,7 +311,7 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
             sums["bias"] = sums["bias"] + grads["bias"]
         return sums
 
-    return ops.fori_loop(0, sums["rows"].shape[0], step, sums)
+    return ops.fori_loop(0, ops.shape(sums["rows"])[0], step, sums)
 
 
 def _sink_gradient(sink_logits, log_sum, chunks):
@@ -436,7 +456,7 @@ def _windowed(chunk, shared, key, value, view, options):
         keys = ops.concatenate([ops.arange(0, view.sinks, dtype="int32"), keys])
     if "offset" in chunk:  # (C, sinks + width)
         queries = chunk.pop("offset") + ops.arange(
-            0, chunk["query"].shape[1], dtype="int32"
+            0, ops.shape(chunk["query"])[1], dtype="int32"
         )
         chunk["causal"] = blocks.by_position(queries, keys, view)
     return chunk, shared, key, value
@@ -466,7 +486,7 @@ def _joined(chunks, length, axis=1):
 def _in_chunks(x, axis, count, rows):
     """`x` with `axis` padded to `count * rows` and split: `(count, ..., rows, ...)`."""
     padding = [(0, 0)] * len(x.shape)
-    padding[axis] = (0, count * rows - x.shape[axis])
+    padding[axis] = (0, count * rows - ops.shape(x)[axis])
     x = ops.pad(
         x, padding, constant_values=keras.backend.standardize_dtype(x.dtype) == "bool"
     )
