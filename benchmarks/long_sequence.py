@@ -3,6 +3,7 @@
     python benchmarks/long_sequence.py --backend all
     python benchmarks/long_sequence.py --backend torch --lengths 2048 8192
     python benchmarks/long_sequence.py --backend tensorflow --jit-compile true
+    python benchmarks/long_sequence.py --backend tensorflow --variable-length
 
 One Transformer encoder block (batch 1, width 512, 8 heads of 64,
 feed-forward 2048, float32, post-norm) trains with `train_on_batch` (Adam,
@@ -30,6 +31,13 @@ runs under an address-space limit (`--memory-limit-gib`, default 20 on this
 24 GiB machine): one that needs more fails with an out-of-memory error, and
 the table says so. Results go to `benchmarks/results/long_sequence_<backend>.md`
 (or `--results DIR`).
+
+`--variable-length` declares the input `keras.Input((None, width))` and
+trains one step on 16 tokens before the warm-up, so that Keras traces the
+step again with the length unknown (its `tf.function`s' `reduce_retracing`),
+as a model trained on batches of several lengths is; results go to
+`long_sequence_<backend>_variable.md`. JAX and PyTorch (eager) see every
+length as it is, so only TensorFlow's program differs.
 """
 
 import argparse
@@ -78,17 +86,20 @@ def parse_args(argv=None):
         "--jit-compile", choices=["auto", "true", "false"], default="auto"
     )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
+    parser.add_argument("--variable-length", action="store_true")
     return parser.parse_args(argv)
 
 
 def build_model(variant, length, jit_compile="auto"):
-    """The block of `variant` (see the module docstring), compiled."""
+    """The block of `variant` (see the module docstring), compiled; `length`
+    `None`: a variable length."""
     import keras
 
     import keras_attn
 
     if variant in ("materialized", "fused"):
         keras_attn.ops.plan.CHUNKED_FROM = math.inf
+        keras_attn.ops.plan.RUNTIME_CHUNKS = ()
     inputs = keras.Input((length, WIDTH), batch_size=1)
     if variant == "keras-hub":
         import keras_hub
@@ -107,13 +118,15 @@ def build_model(variant, length, jit_compile="auto"):
     return model
 
 
-def run_point(variant, length, steps, jit_compile="auto"):
+def run_point(variant, length, steps, jit_compile="auto", variable=False):
     """One point, in this process: prints a JSON line of the measurements."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     x, y = (rng.normal(size=(1, length, WIDTH)).astype("float32") for _ in "xy")
-    model = build_model(variant, length, jit_compile)
+    model = build_model(variant, None if variable else length, jit_compile)
+    if variable:  # the next step is traced again, its length unknown
+        model.train_on_batch(x[:, :16], y[:, :16])
     before = memory.high_water_bytes() / 2**20
     timing = timing_calls.time_call(
         lambda: np.asarray(model.train_on_batch(x, y)), steps
@@ -128,6 +141,7 @@ def measure(backend, variant, length, args):
     limit = int(args.memory_limit_gib * 2**30)
     command = [sys.executable, os.path.abspath(__file__), "--calls", str(args.calls)]
     command += ["--jit-compile", args.jit_compile]
+    command += ["--variable-length"] if args.variable_length else []
     env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": ROOT}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
@@ -165,7 +179,13 @@ def table(backend, lengths, results, args):
         f"{timing_calls.describe(args.calls)}. "
         f"`chunked` goes in chunks {chunking()}, and materializes below. "
         f"Default on this backend: {default_variant(backend)}. "
-        f"`model.compile(jit_compile={args.jit_compile!r})`.",
+        f"`model.compile(jit_compile={args.jit_compile!r})`."
+        + (
+            " Variable length: `keras.Input((None, 512))`, a first step on 16 "
+            "tokens before the warm-up (`--variable-length`)."
+            if args.variable_length
+            else ""
+        ),
         "",
         "| T | variant | peak MiB | before MiB | peak vs materialized "
         "| step s | step vs materialized |",
@@ -212,7 +232,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.point:
         variant, length = args.point
-        return run_point(variant, int(length), args.calls, args.jit_compile)
+        return run_point(
+            variant, int(length), args.calls, args.jit_compile, args.variable_length
+        )
     os.makedirs(args.results, exist_ok=True)
     sections = []
     for backend in BACKENDS if args.backend == "all" else (args.backend,):
@@ -222,7 +244,8 @@ def main(argv=None):
                 results[(length, variant)] = measure(backend, variant, length, args)
                 print(backend, length, variant, results[(length, variant)], flush=True)
         text = table(backend, args.lengths, results, args)
-        path = os.path.join(args.results, f"long_sequence_{backend}.md")
+        suffix = "_variable" if args.variable_length else ""
+        path = os.path.join(args.results, f"long_sequence_{backend}{suffix}.md")
         with open(path, "w") as file:
             file.write(text)
         print(text)

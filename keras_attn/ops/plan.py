@@ -138,6 +138,8 @@ CHUNKS_REMATERIALIZED = ("torch",)
 # count and rows computed from the lengths in the graph (`RUNTIME`). XLA
 # compiles such a graph for each concrete shape, so the loop is static there.
 # JAX always traces concrete shapes (`jax.export`'s symbolic ones aside).
+# PyTorch's symbolic lengths (`torch.compile(dynamic=True)`, `torch.export`)
+# materialize: a loop whose count depends on one does not export.
 RUNTIME_CHUNKS = ("tensorflow",)
 RUNTIME = "runtime"
 

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 import keras_attn
-from keras_attn.ops.plan import AttentionPlan, plan_attention
+from keras_attn.ops.plan import (
+    RUNTIME,
+    AttentionPlan,
+    plan_attention,
+    runtime_rows_per_chunk,
+)
 
 BACKEND = keras.backend.backend()
 ON_TORCH = pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's SDPA rules")
@@ -131,10 +136,20 @@ EXPLICIT = {
         "chunked",
         "segment ids",
     ),
-    "long of unknown length: materialized": (
+    "unknown length, JAX (symbolic: jax.export): materialized": (
         dict(flash_attention=False, shapes=((1, None, 8, 8), (1, None, 8, 8))),
         "materialized",
         "False",
+    ),
+    "unknown length, PyTorch (symbolic: a loop would not export): materialized": (
+        dict(backend="torch", sink_logits=True, shapes=((1, None, 8, 8),) * 2),
+        "materialized",
+        "sink logits",
+    ),
+    "unknown length, TensorFlow: chunked, counted at run time": (
+        dict(backend="tensorflow", shapes=((1, None, 8, 8), (1, None, 8, 8))),
+        "chunked",
+        "TensorFlow",
     ),
 }
 
@@ -146,6 +161,8 @@ def test_explicit_paths_and_why(name):
     assert chosen.kernel == kernel
     assert any(reason in r for r in chosen.not_fused), chosen.not_fused
     assert (chosen.chunk_rows is not None) == (kernel == "chunked")
+    if None in kwargs.get("shapes", (QUERY,))[0] and kernel == "chunked":
+        assert chosen.chunk_rows == RUNTIME
     if kernel == "chunked":  # the speed rule: `keras.remat` on PyTorch only
         remat = kwargs.get("backend", "jax") == "torch"
         assert chosen.chunk_gradient == ("remat" if remat else "own")
@@ -185,6 +202,20 @@ def test_torch_export_of_a_dynamic_length_pins_the_composite_kernel():
     assert plan(
         "torch", "gpu", shapes=dynamic, exporting=True, flash_attention=True
     ) == AttentionPlan("fused", repeat_key_value_heads=True, require_fused=True)
+
+
+@pytest.mark.parametrize("length", [1, 16, 1000, 2897, 8192, 30000])
+def test_rows_counted_at_run_time_follow_the_static_rule(length):
+    """The rule for lengths known only at run time, on int tensors, gives the
+    static rule's rows (8 heads, self-attention), and all rows in one chunk
+    where the static rule materializes."""
+    static = plan("tensorflow", shapes=((1, length, 8, 8), (1, length, 8, 8)))
+    rows = runtime_rows_per_chunk(
+        keras.ops.convert_to_tensor(length, "int32"), 8,
+        keras.ops.convert_to_tensor(length, "int32"),
+    )  # fmt: skip
+    expected = static.chunk_rows if static.kernel == "chunked" else length
+    assert int(keras.ops.convert_to_numpy(rows)) == expected
 
 
 def test_flash_attention_true_pins_a_fused_kernel():
