@@ -88,6 +88,10 @@ class RollingCache(collections.namedtuple("RollingCache", ["slots", "sinks"])):
         ring = ops.broadcast_to(ring[None], (ops.shape(self.sinks)[0], window))
         return ops.concatenate([self.sinks, ring], axis=1)
 
+    def top_left_causal(self, index):
+        """Never: ring slots do not hold their positions."""
+        return False
+
     def mask(self, index, count, real=None, window=None, sinks=None):
         """Which slots the query at `index` sees, bool `(batch, 1, 1, sinks +
         window)`: written, real (`real`, bool `(batch, length)` by

@@ -100,6 +100,15 @@ class AttentionCall:
         """Keys and values are projected (not read from a precomputed cache)."""
         return self.cache is None or self.cache_update_index is not None
 
+    def scores_shape(self, attention_axes, num_heads):
+        """The shape of the weights the call returns (`return_attention_scores`):
+        over the cache's slots where it reads a cache."""
+        key_shape = self.key.shape
+        if self.cache is not None:
+            key_shape = (key_shape[0], cache_length(self.cache))
+        axes = AttentionAxes(attention_axes, len(self.query.shape))
+        return axes.scores_shape(self.query.shape, key_shape, num_heads)
+
     def rope_positions(self):
         """The rotary positions of the queries and of the keys projected in
         this call.

@@ -15,8 +15,7 @@ from keras_attn._checks import (
     normalize_attention_axes,
 )
 from keras_attn.layers import _attention_cache
-from keras_attn.layers._attention_axes import AttentionAxes
-from keras_attn.layers._attention_cache import cache_length, check_cacheable
+from keras_attn.layers._attention_cache import check_cacheable
 from keras_attn.layers._attention_call import (
     AttentionCall,
     check_call,
@@ -275,7 +274,9 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         `keras_attn.cache` object; `index`: int32 scalar, the position of the
         first new token; `positions`: their rotary positions (`(batch,
         length)` or `(length,)`); `mask`: the cache slots each sees (bool,
-        as `cache.mask` gives them); `calls`: how sublayers are called (a
+        as `cache.mask` gives them, and so causal: where
+        `cache.top_left_causal(index)`, the chunked path skips the slots
+        past each chunk's rows); `calls`: how sublayers are called (a
         decoding's `SublayerCalls`; by default `call_sublayer`). Returns
         `(output (batch, length, output width), cache)`.
         """
@@ -288,6 +289,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         context = attend(
             q, keys, values,
             mask=mask,
+            is_causal=index is not None and cache.top_left_causal(index),
             flash_attention=self.flash_attention,
             heads_major=True,
             logit_soft_cap=self.logit_soft_cap,
@@ -463,11 +465,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         shape = self.compute_output_shape(query.shape, call.value.shape, key.shape)
         outputs = (keras.KerasTensor(shape, dtype=dtype),)
         if call.return_attention_scores:
-            key_shape = (
-                key.shape if cache is None else (key.shape[0], cache_length(cache))
-            )
-            axes = AttentionAxes(self.attention_axes, len(query.shape))
-            scores = axes.scores_shape(query.shape, key_shape, self.num_heads)
+            scores = call.scores_shape(self.attention_axes, self.num_heads)
             outputs += (keras.KerasTensor(scores, dtype=dtype),)
         if cache is not None:  # a tensor, or a cache object of tensors
             outputs += (_attention_cache.spec(cache),)

@@ -312,7 +312,10 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         cached = cache.read(q.dtype)  # (B, S, r + R)
         if self.key_value_b.quantization_mode is not None:
             k, v = self._expanded(*self._split(cached), calls)
-            context = attend(q, k, v, mask=mask, scale=self._scale)
+            context = attend(
+                q, k, v, mask=mask, is_causal=cache.top_left_causal(index),
+                scale=self._scale,
+            )  # fmt: skip
             return calls(self.attention_output, context), cache
         kernel = ops.cast(self.key_value_b.kernel, q.dtype)  # (r, H, nope + v)
         nope = self.qk_nope_head_dim
@@ -322,6 +325,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         context = attend(
             q, latents, latents[..., : self.kv_lora_rank],
             mask=mask,
+            is_causal=cache.top_left_causal(index),
             scale=self._scale,
             flash_attention=False if self.flash_attention is False else None,
             heads_major=True,

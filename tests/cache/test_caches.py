@@ -167,6 +167,24 @@ def test_dense_mask_takes_a_tensor_index():
     np.testing.assert_array_equal(mask, expected)
 
 
+@pytest.mark.parametrize("kind", [DenseCache, Int8Cache])
+def test_top_left_causal_only_where_the_mask_is_within_it(kind):
+    """`top_left_causal`: the Python int 0 only, where every mask the cache
+    gives (padded, windowed, with sinks) sees no slot past its query's own,
+    so `is_causal` changes nothing but which slots attention may skip."""
+    cache = kind.empty(B, H, LONG, D)
+    assert cache.top_left_causal(0)
+    assert not cache.top_left_causal(3) and not cache.top_left_causal(
+        tensor(0, "int32")
+    )
+    triangle = np.tril(np.ones((6, LONG), bool))
+    for real, window, sinks in ((None, None, None), (left_padded(), 3, 2)):
+        mask = to_numpy(cache.mask(0, 6, real, window, sinks))[:, 0]
+        assert not (mask & ~triangle).any()
+    rolling = RollingCache.from_prefill(cache, 4, tensor([0, 1], "int32"), 3, 1)
+    assert not rolling.top_left_causal(0)
+
+
 # --- Int8Cache ----------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.builders import GENERATION_VOCAB as VOCAB
 from tests.helpers.builders import GENERATION_WIDTH as WIDTH
 from tests.helpers.builders import llama_model, random_floats
+from tests.helpers.doubles import count_key_widths
 from tests.helpers.references import naive_greedy
 
 # --- The caches in the layers -------------------------------------------------
@@ -407,3 +408,25 @@ def test_the_head_runs_as_torch_calls_with_keras_numbers(gpt, monkeypatch):
     np.testing.assert_array_equal(to_numpy(tokens), to_numpy(expected[0]))
     np.testing.assert_array_equal(to_numpy(scores), to_numpy(expected[1]))
     assert all(layer in called for layer in head)
+
+
+def test_a_prompts_prefill_skips_the_slots_past_each_chunk(
+    gpt, small_chunks, monkeypatch
+):
+    """A prompt's prefill (the Python int index 0 on slots that hold their
+    positions: `cache.top_left_causal`) is causal attention to the chunked
+    path: each chunk of 4 rows of a 9-token prompt computes only the slots up
+    to its last row, not all the cache's, and the tokens and scores are
+    those of the materialized path."""
+    prompts = np.array([[0, 0, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    widths = count_key_widths(monkeypatch)
+    if BACKEND == "torch":  # the explicit path, as `disable_flash_attention()`
+        monkeypatch.setattr(keras.config, "is_flash_attention_enabled", lambda: False)
+    tokens, scores = generate(gpt, prompts, max_new_tokens=3, return_scores=True)
+    assert small_chunks.calls and min(widths) < prompts.shape[1], widths
+    small_chunks()
+    expected = generate(gpt, prompts, max_new_tokens=3, return_scores=True)
+    np.testing.assert_array_equal(to_numpy(tokens), to_numpy(expected[0]))
+    np.testing.assert_allclose(
+        to_numpy(scores), to_numpy(expected[1]), atol=1e-5, rtol=1e-5
+    )

@@ -304,3 +304,20 @@ def largest_xla_array(traced, *args):
     hlo = traced.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
     shapes = re.findall(r"\b(?:f32|pred|s32)\[([\d,]+)\]", hlo)
     return max(math.prod(int(n) for n in shape.split(",")) for shape in shapes)
+
+
+def count_key_widths(monkeypatch):
+    """`explicit.scores`, spied: the key lengths of each chunk's logits as
+    traced (once per loop on JAX and TensorFlow, once per chunk on PyTorch)."""
+    from keras_attn.ops.kernels import explicit
+
+    widths = []
+    original = explicit.scores
+
+    def spy(query, key, options):
+        out = original(query, key, options)
+        widths.append(out.shape[-1])
+        return out
+
+    monkeypatch.setattr(explicit, "scores", spy)
+    return widths

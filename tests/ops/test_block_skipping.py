@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import keras_attn
-from keras_attn.ops.kernels import blocks, explicit
+from keras_attn.ops.kernels import blocks
 from tests.helpers.backend import compiled_value_and_gradients
 from tests.helpers.builders import random_floats
+from tests.helpers.doubles import count_key_widths
 
 # (is_causal, window, sinks) with the numpy mask they stand for.
 STRUCTURES = {
@@ -64,21 +65,6 @@ def test_causal_groups_visit_little_more_than_the_triangle():
     assert blocks.key_windows(64, 64, 16, 4, False, None) is None
 
 
-def attend_counting(monkeypatch):
-    """`explicit.scores`, spied: the key lengths of each chunk's logits as
-    traced (once per loop on JAX and TensorFlow, once per chunk on PyTorch)."""
-    widths = []
-    original = explicit.scores
-
-    def spy(query, key, options):
-        out = original(query, key, options)
-        widths.append(out.shape[-1])
-        return out
-
-    monkeypatch.setattr(explicit, "scores", spy)
-    return widths
-
-
 @pytest.mark.parametrize(
     "structure, heads_major", [("causal", True), ("causal window with sinks", False)]
 )
@@ -109,7 +95,7 @@ def test_skipped_blocks_give_the_numbers_of_all_keys(
         band_mask = True if window is None else numpy_mask(27, 27, False, window, sinks)
         return attend(q, k, v, mask=padding & band_mask, band=None)
 
-    widths = attend_counting(monkeypatch)
+    widths = count_key_widths(monkeypatch)
     ours = compiled_value_and_gradients(attend, q, k, v)
     assert small_chunks.calls, "the chunked path did not run"
     assert widths and min(widths) < 27, widths
@@ -135,7 +121,7 @@ def test_a_sliding_window_layer_skips_keys_and_keeps_its_numbers(
         flash_attention=False,
     )
     x = random_floats(2, 23, 8, seed=4)
-    widths = attend_counting(monkeypatch)
+    widths = count_key_widths(monkeypatch)
     ours = layer(x, use_causal_mask=True)
     assert small_chunks.calls and widths and max(widths) <= 1 + 4 + 3, widths
     small_chunks()
