@@ -2,6 +2,7 @@
 forward and backward, with and without skipping the hidden keys.
 
     OMP_NUM_THREADS=1 KERAS_BACKEND=jax python benchmarks/block_skipping.py
+    OMP_NUM_THREADS=1 python benchmarks/block_skipping.py --only prefill
 
 One call: `attend` on `(1, T, 8, 64)` float32 queries, keys and values,
 `flash_attention=False` (the chunked path on every backend at these
@@ -13,7 +14,12 @@ Rows:
 - causal at `--causal-length`, against the same call without a mask;
 - a causal sliding window of `--window` (its band by position, as a layer
   passes it) at each of `--window-lengths`, and the ratio of the longest to
-  the shortest (linear: their length ratio; quadratic: its square).
+  the shortest (linear: their length ratio; quadratic: its square);
+- a prompt's prefill, forward only: `--prefill` prompt tokens over a cache of
+  twice as many slots, with the cache's mask (`cache.mask`), as
+  `decode_unchecked` gets it, without and with `is_causal`
+  (`cache.top_left_causal`: what the layers pass now), against the
+  unmasked call over the prompt's own keys.
 
 "before" is the same process with `blocks.key_windows` answering `None`:
 every chunk over every key, the code path before block skipping. Seconds:
@@ -88,12 +94,36 @@ def inputs(length):
     ]
 
 
-def timed(cases, calls):
-    """`{name: median seconds}` of `cases` (name -> `(fn, length, before)`)."""
+def forward(fn):
+    """`fn(q, k, v)` alone, compiled as `value_and_gradients` compiles it."""
+    backend = keras.config.backend()
+    if backend == "jax":
+        import jax
+
+        return lambda *x: np.asarray(jax.jit(fn)(*x))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(fn)
+        return lambda *x: step(*map(tf.constant, x)).numpy()
+    import torch
+
+    def step(*x):
+        with torch.no_grad():
+            return fn(*map(torch.tensor, x)).numpy()
+
+    return step
+
+
+def timed(cases, calls, compiled=value_and_gradients, slots=None):
+    """`{name: median seconds}` of `cases` (name -> `(fn, length, before)`);
+    `slots`: the keys' length, where not the queries'."""
     functions = {}
     for name, (fn, length, before) in cases.items():
         x = inputs(length)
-        step = value_and_gradients(fn)
+        if slots:
+            x[1:] = [np.concatenate([k, np.zeros_like(k)], axis=1) for k in x[1:]]
+        step = compiled(fn)
 
         def call(step=step, x=x, before=before):
             if before:
@@ -119,6 +149,34 @@ def causal_rows(length, calls):
     }
     seconds = timed(cases, calls)
     base = seconds["no mask"]
+    return [
+        f"| {name} | {length} | {s:.2f} | {s / base:.2f} |"
+        for name, s in seconds.items()
+    ]
+
+
+def prefill_rows(length, calls):
+    """A prompt of `length` tokens written at index 0 into a cache of
+    `2 * length` slots, attended with the cache's mask, forward only."""
+    from keras_attn.cache._slots import linear_mask
+
+    mask = linear_mask(0, length, 2 * length)
+
+    def full(q, k, v):
+        return attend(q, k[:, :length], v[:, :length], flash_attention=False)
+
+    def prefill(causal):
+        return lambda q, k, v: attend(
+            q, k, v, mask=mask, is_causal=causal, flash_attention=False
+        )
+
+    cases = {
+        "prompt, no mask": (full, length, False),
+        "prefill, the mask only (before)": (prefill(False), length, False),
+        "prefill, is_causal": (prefill(True), length, False),
+    }
+    seconds = timed(cases, calls, forward, slots=2 * length)
+    base = seconds["prompt, no mask"]
     return [
         f"| {name} | {length} | {s:.2f} | {s / base:.2f} |"
         for name, s in seconds.items()
@@ -171,6 +229,11 @@ def main(argv=None):
         "--window-before", type=int, nargs="*", default=[4096, 8192],
         help="Lengths to time the window without skipping at.",
     )  # fmt: skip
+    parser.add_argument("--prefill", type=int, default=4096)
+    parser.add_argument(
+        "--only", choices=("causal", "window", "prefill"),
+        help="One section, written to block_skipping_<backend>_<section>.md.",
+    )  # fmt: skip
     parser.add_argument("--calls", type=int, default=3, help="Timed calls a point.")
     parser.add_argument("--results", default=RESULTS, help="Output folder.")
     args = parser.parse_args(argv)
@@ -186,18 +249,20 @@ def main(argv=None):
         "| call | T | seconds | ratio |",
         "|---|---:|---:|---:|",
     ]
-    for line in (
-        causal_rows(args.causal_length, args.calls) if args.causal_length else []
-    ):
-        lines.append(line)
-        print(line, flush=True)
-    for line in window_rows(
-        args.window_lengths, args.window, args.calls, args.window_before
-    ):
-        lines.append(line)
-        print(line, flush=True)
+    sections = {
+        "causal": lambda: causal_rows(args.causal_length, args.calls),
+        "window": lambda: window_rows(
+            args.window_lengths, args.window, args.calls, args.window_before
+        ),
+        "prefill": lambda: prefill_rows(args.prefill, args.calls),
+    }
+    for name, rows in sections.items():
+        for line in rows() if args.only in (None, name) else []:
+            lines.append(line)
+            print(line, flush=True)
     text = "\n".join(lines) + "\n"
-    return write_report(args.results, f"block_skipping_{backend}.md", text)
+    suffix = f"_{args.only}" if args.only else ""
+    return write_report(args.results, f"block_skipping_{backend}{suffix}.md", text)
 
 
 if __name__ == "__main__":
