@@ -90,8 +90,12 @@ attention sinks where padding and segments do not move them), not with a
 bias. The chunks go in at most `blocks.MAX_GROUPS` loops, each with one
 static key width, so XLA compiles them; causal attention then computes about
 0.56 of the logits at 16 chunks, a window of `w` about `rows + w - 1` keys a
-row (`benchmarks/block_skipping.py`). Segment ids, cache offsets and
-lengths known only at run time skip nothing yet.
+row (`benchmarks/block_skipping.py`). A prompt's prefill is causal
+attention here: the caches say when their mask is top-left causal
+(`cache.top_left_causal`, index 0), and the layers pass `is_causal`, so each
+chunk skips the slots past its rows, the cache's unwritten tail included.
+Segment ids, other cache offsets (a speculative verify pass) and lengths
+known only at run time skip nothing yet.
 
 No speed rule: none measured wins by 10%. Reading a heads-major cache in
 place in a decoding step was one; `benchmarks/dispatch.py` finds it level with
