@@ -61,35 +61,6 @@ def test_compiled_chunked_gradients_equal_the_materialized_path(case, small_chun
     assert np.abs(chunked[1][-1]).max() > 0.01  # a bias gradient to compare
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA program")
-def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatch):
-    """The largest array in the XLA program of a gradient step (TensorFlow's
-    `experimental_get_compiler_ir(...)(stage="optimized_hlo")`, whose HLO
-    text writes each array's shape, e.g. `f32[1,2,32,256]`): in chunks, a
-    chunk's logits; materialized, all `H * T * S` of them (the memory rule of
-    `plan.CHUNKED_FROM`, `benchmarks/long_sequence.py`)."""
-    import tensorflow as tf
-
-    monkeypatch.setattr(plan, "CHUNK_LOGITS", 2 * 32 * 256)  # chunks of 32 rows
-    q = tf.constant(random_floats(1, 256, 2, 8))
-
-    def largest_array(chunked_from):
-        monkeypatch.setattr(plan, "CHUNKED_FROM", chunked_from)
-
-        @tf.function(jit_compile=True)
-        def gradient(q):
-            with tf.GradientTape() as tape:
-                tape.watch(q)
-                output = attn_ops.dot_product_attention(q, q, q, is_causal=True)
-                total = tf.reduce_sum(output * output)
-            return tape.gradient(total, q)
-
-        return largest_xla_array(gradient, q)
-
-    assert largest_array(1) == 2 * 32 * 256
-    assert largest_array(float("inf")) >= 2 * 256 * 256
-
-
 def _tensorflow_unknown_lengths(fn, arrays, jit_compile):
     """`fn` under `tf.function` traced with every length unknown (axis 1 of
     each array, and a mask's two last axes), as Keras traces
@@ -105,6 +76,42 @@ def _tensorflow_unknown_lengths(fn, arrays, jit_compile):
 
     specs = [unknown(x, (1,) if np.ndim(x) == 4 else (-1,)) for x in arrays]
     return tf.function(fn, input_signature=specs, jit_compile=jit_compile)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA program")
+def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatch):
+    """The largest array in the XLA program of a gradient step (TensorFlow's
+    `experimental_get_compiler_ir(...)(stage="optimized_hlo")`, whose HLO
+    text writes each array's shape, e.g. `f32[1,2,32,256]`): in chunks, a
+    chunk's logits; materialized, all `H * T * S` of them (the memory rule of
+    `plan.CHUNKED_FROM`, `benchmarks/long_sequence.py`). Traced with the
+    length unknown (`keras.Input((None, width))`), the rule is computed in
+    the graph: chunks at 256 rows, one chunk under `CHUNKED_FROM`."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(plan, "CHUNK_LOGITS", 2 * 32 * 256)  # chunks of 32 rows
+    q = random_floats(1, 256, 2, 8)
+
+    def gradient(q):
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            output = attn_ops.dot_product_attention(q, q, q, is_causal=True)
+            total = tf.reduce_sum(output * output)
+        return tape.gradient(total, q)
+
+    def largest(chunked_from, length=256, unknown=False):
+        monkeypatch.setattr(plan, "CHUNKED_FROM", chunked_from)
+        x = tf.constant(q[:, :length])
+        if unknown:
+            traced = _tensorflow_unknown_lengths(gradient, [q], jit_compile=True)
+        else:
+            traced = tf.function(gradient, jit_compile=True)
+        return largest_xla_array(traced, x)
+
+    assert largest(1) == 2 * 32 * 256
+    assert largest(float("inf")) >= 2 * 256 * 256
+    assert largest(2 * 64 * 256, unknown=True) == 2 * 32 * 256
+    assert largest(2 * 64 * 256, length=48, unknown=True) == 2 * 48 * 48
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's unknown lengths")
@@ -141,33 +148,6 @@ def test_tensorflow_lengths_known_at_run_time_go_in_chunks(jit_compile, small_ch
     theirs = step(*(tf.constant(x) for x in (q, k, v, ids)))
     for a, b in zip(keras.tree.flatten(ours), keras.tree.flatten(theirs), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA program")
-def test_tensorflow_xla_keeps_no_weights_of_an_unknown_length(monkeypatch):
-    """Traced with its length unknown and compiled by XLA for 256 rows (2
-    heads, chunks of 32 rows by the rule computed in the graph), a gradient
-    step's largest array is a chunk's logits, not the `(T, S)` weights."""
-    import tensorflow as tf
-
-    monkeypatch.setattr(plan, "CHUNK_LOGITS", 2 * 32 * 256)
-    monkeypatch.setattr(plan, "CHUNKED_FROM", 2 * 64 * 256)
-    q = random_floats(1, 256, 2, 8)
-
-    def gradient(q):
-        with tf.GradientTape() as tape:
-            tape.watch(q)
-            output = attn_ops.dot_product_attention(q, q, q, is_causal=True)
-            total = tf.reduce_sum(output * output)
-        return tape.gradient(total, q)
-
-    def largest(length):
-        x = q[:, :length]
-        traced = _tensorflow_unknown_lengths(gradient, [x], jit_compile=True)
-        return largest_xla_array(traced, x)
-
-    assert largest(256) == 2 * 32 * 256
-    assert largest(48) == 2 * 48 * 48  # under `CHUNKED_FROM`: one chunk
 
 
 def test_chunked_segment_ids_equal_their_materialized_mask(small_chunks):
