@@ -1,6 +1,7 @@
 """The chunked explicit path's own gradient (`keras_attn/ops/kernels/chunked.py`):
 compiled as each backend trains, it equals the materialized path's, and under
-TensorFlow's XLA it keeps no weights of the whole length."""
+TensorFlow's XLA it keeps no weights of the whole length, lengths known only
+at run time (`plan.RUNTIME`) included."""
 
 import keras
 import numpy as np
