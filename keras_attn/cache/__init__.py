@@ -25,10 +25,10 @@ heads, window, sinks) is read from their shapes. They share a few members:
   `index, ..., index + count - 1` see (written, causal, real tokens only,
   the layer's sliding window and attention sinks);
 - `top_left_causal(index)`: whether that mask is known, when the call is
-  traced, to hold the top-left causal mask (query `i` sees slots up to `i`:
-  a prompt's prefill at the Python int 0 on slots that hold their
-  positions), so that attention may skip the slots past each query
-  (`is_causal`);
+  traced, to lie within the top-left causal mask (query `i` sees no slot
+  past `i`: a prompt's prefill at the Python int 0 on slots that hold their
+  positions), so that attention may apply it too (`is_causal`) and skip the
+  slots past each query;
 - `grown(size)`: the cache padded to `size` slots (a decoding's segments;
   not the rolling cache, which keeps its window);
 - `length` (slots) and `nbytes` (memory).

@@ -35,9 +35,9 @@ class Linear:
         return ops.expand_dims(ops.arange(0, self.length, dtype="int32"), 0)
 
     def top_left_causal(self, index):
-        """Whether the queries at `index` see slots as the top-left causal
-        mask does (query `i` slot `i` and those before), as known when the
-        call is traced: `index` the Python int 0 (a prompt's prefill)."""
+        """Whether `mask(index, ...)` lies within the top-left causal mask
+        (query `i` sees no slot past `i`), as known when the call is traced:
+        `index` the Python int 0 (a prompt's prefill)."""
         return isinstance(index, int) and index == 0
 
     def mask(self, index, count, real=None, window=None, sinks=None):

@@ -251,6 +251,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
             segment_ids=None if call.segments is None else (call.segments,) * 2,
             sink_logits=self.sink_logits,
             band=band,
+            training=call.training is True,
         )  # fmt: skip
         scores = None
         if call.return_attention_scores:
@@ -271,14 +272,15 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         values (cross-attention, `compute_cache`), and nothing is written.
 
         `query`: `(batch, length, width)`, the new tokens; `cache`: a
-        `keras_attn.cache` object; `index`: int32 scalar, the position of the
-        first new token; `positions`: their rotary positions (`(batch,
-        length)` or `(length,)`); `mask`: the cache slots each sees (bool,
-        as `cache.mask` gives them, and so causal: where
-        `cache.top_left_causal(index)`, the chunked path skips the slots
-        past each chunk's rows); `calls`: how sublayers are called (a
-        decoding's `SublayerCalls`; by default `call_sublayer`). Returns
-        `(output (batch, length, output width), cache)`.
+        `keras_attn.cache` object; `index`: int32 scalar (or the int 0 of a
+        prefill), the position of the first new token; `positions`: their
+        rotary positions (`(batch, length)` or `(length,)`); `mask`: the
+        slots each sees (bool, within the causal mask as `cache.mask`'s is;
+        where `cache.top_left_causal(index)`, attention applies that causal
+        mask too, and so skips the slots past each query); `calls`: how
+        sublayers are called (a decoding's `SublayerCalls`; by default
+        `call_sublayer`). Returns `(output (batch, length, output width),
+        cache)`.
         """
         calls = calls or call_sublayer
         q = heads(self, "query", query, positions, calls)

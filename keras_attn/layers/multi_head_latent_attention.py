@@ -285,6 +285,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
             dropout=self._dropout(call.training),
             return_scores=call.return_attention_scores,
             segment_ids=None if call.segments is None else (call.segments,) * 2,
+            training=call.training is True,
         )  # fmt: skip
         outputs = result if call.return_attention_scores else (result,)
         outputs = (call_sublayer(self.attention_output, outputs[0]), *outputs[1:])

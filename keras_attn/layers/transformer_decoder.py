@@ -275,12 +275,13 @@ class TransformerDecoder(TransformerBlock):
             decoder_sequence: `(batch, length, width)`, the new tokens, at
                 positions `index, ..., index + length - 1`.
             cache: the self-attention cache, a `keras_attn.cache` object.
-            index: int32 scalar, the position of the first new token.
+            index: int32 scalar (or the Python int 0 of a prompt's
+                prefill), the position of the first new token.
             positions: optional int `(batch, length)`: the new tokens'
                 rotary positions (with `rope_max_wavelength`).
             mask: bool `(batch, length, slots)` (or broadcastable): the
-                self-attention cache slots each new token sees
-                (`cache.mask(...)`).
+                self-attention cache slots each new token sees, within the
+                causal mask (`cache.mask(...)`).
             cross_cache: with cross-attention, the encoder output's keys and
                 values (`DenseCache(compute_cross_attention_cache(...))`).
             cross_mask: optional bool `(batch, 1, source_length)`: the

@@ -1,5 +1,6 @@
 """Scaled dot-product attention, the public op: plan, then run the kernel."""
 
+import dataclasses
 import math
 
 import keras
@@ -17,7 +18,12 @@ from keras_attn.ops.kernels import chunked, explicit, fused
 from keras_attn.ops.kernels.blocks import KeyBand
 from keras_attn.ops.kernels.options import KernelOptions
 from keras_attn.ops.masks import merge_attention_masks, same_segment, window_band
-from keras_attn.ops.plan import plan_attention, platform_of
+from keras_attn.ops.plan import (
+    RUNTIME,
+    plan_attention,
+    platform_of,
+    runtime_rows_per_chunk,
+)
 from keras_attn.ops.positions import segment_runs
 
 __all__ = ["dot_product_attention"]
@@ -191,6 +197,7 @@ def attend(
     segment_ids=None,
     sink_logits=None,
     band=None,
+    training=False,
 ):
     """`dot_product_attention` without its checks, for callers that checked
     what they pass (the layers check their own calls, once); `segment_ids`:
@@ -200,7 +207,8 @@ def attend(
     `(sliding_window, attention_sinks)`, a layer's band by position
     (`window_band`, query `i` at position `i`), or `None`: the chunked path
     builds it chunk by chunk and skips the keys outside it, the others fold
-    it into the mask."""
+    it into the mask; `training`: a training call (the plan's
+    `training`)."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
@@ -222,6 +230,7 @@ def attend(
         platform=platform_of(query),
         exporting=exported_by_torch(),
         segmented=segment_ids is not None,
+        training=training,
     )
     if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
         mask = merge_attention_masks(mask, same_segment(*segment_ids))
@@ -269,12 +278,25 @@ def _run(plan, query, key, value, mask, bias, is_causal, options, segments):
     query = _scaled(query, options.scale)
     if plan.kernel == "chunked":
         output = chunked.attention(
-            query, key, value, mask, bias, is_causal, plan, options, segment_ids,
-            band,
+            query, key, value, mask, bias, is_causal,
+            _counted(plan, query, key, options), options, segment_ids, band,
         )  # fmt: skip
         return output, None
     causal_offset = 0 if is_causal else None
     return explicit.attention(query, key, value, mask, bias, causal_offset, options)
+
+
+def _counted(plan, query, key, options):
+    """`plan` with its rows per chunk counted in the graph (an int32 tensor)
+    where the plan leaves them to run time (`plan.RUNTIME`)."""
+    if plan.chunk_rows != RUNTIME:
+        return plan
+    length, key_length = (
+        ops.shape(query)[1],
+        ops.shape(key)[2 if options.heads_major else 1],
+    )
+    rows = runtime_rows_per_chunk(length, query.shape[2], key_length)
+    return dataclasses.replace(plan, chunk_rows=rows)
 
 
 def _scaled(query, scale):

@@ -78,10 +78,11 @@ The form of a fused call:
 
 The explicit path materializes the weights, unless it may go in chunks: no
 dropout, no returned weights, and at least `CHUNKED_FROM` logits per batch
-row (`H * T * S`). Lengths known only at run time (TensorFlow with
-`keras.Input((None, width))`, `RUNTIME_CHUNKS`) go in chunks counted in the
-graph by the same rule, which puts a call under `CHUNKED_FROM` logits in one
-chunk: the materialized computation, with the chunked path's gradient.
+row (`H * T * S`). In training calls, lengths known only at run time
+(TensorFlow with `keras.Input((None, width))`, `RUNTIME_CHUNKS`) go in
+chunks counted in the graph by the same rule, which puts a call under
+`CHUNKED_FROM` logits in one chunk: the materialized computation, with the
+chunked path's gradient.
 
 In chunks, a chunk of query rows computes only the keys that the masks by
 position may leave visible (`kernels/blocks.py`): with `is_causal` (keys up
@@ -138,12 +139,14 @@ MIN_CHUNK_ROWS = 16
 CHUNKS_REMATERIALIZED = ("torch",)
 
 # Where a length is known only at run time (a TensorFlow graph traced with
-# `keras.Input((None, width))`), these backends still go in chunks: their
-# count and rows computed from the lengths in the graph (`RUNTIME`). XLA
-# compiles such a graph for each concrete shape, so the loop is static there.
+# `keras.Input((None, width))`), a training call on these backends still goes
+# in chunks: their count and rows computed from the lengths in the graph
+# (`RUNTIME`). XLA compiles such a graph for each concrete shape, so the loop
+# is static there. Inference calls materialize: Keras' export converters
+# (tf2onnx, LiteRT) fail on the loop (`tests/integration/test_export.py`).
 # JAX always traces concrete shapes (`jax.export`'s symbolic ones aside).
-# PyTorch's symbolic lengths (`torch.compile(dynamic=True)`, `torch.export`)
-# materialize: a loop whose count depends on one does not export.
+# PyTorch's symbolic lengths materialize: `torch.export` fails on a loop
+# counted from one, and `torch.compile(dynamic=True)` is not measured with it.
 RUNTIME_CHUNKS = ("tensorflow",)
 RUNTIME = "runtime"
 
@@ -173,7 +176,7 @@ class AttentionPlan:
         chunk_rows: int, `"runtime"` or `None`. Query rows per chunk
             (`"chunked"` only); `"runtime"` where the lengths are known only
             at run time: the same rule, computed then
-            (`runtime_rows_per_chunk`).
+            (`runtime_rows_per_chunk`; the kernel gets its int32 tensor).
         chunk_gradient: `"own"` (FlashAttention's backward pass from each
             row's log-sum-exp) or `"remat"` (each chunk recomputed by
             `keras.remat`); `"chunked"` only.
@@ -210,6 +213,7 @@ def plan_attention(
     platform=None,
     exporting=False,
     segmented=False,
+    training=False,
 ):
     """The `AttentionPlan` for one call (the rules: this module's docstring).
 
@@ -234,6 +238,8 @@ def plan_attention(
         segmented: bool. The call has segment ids (packed sequences): in
             chunks they ride with each chunk, elsewhere their mask `(B, 1,
             T, S)` is folded into the mask.
+        training: bool. A training call (Keras' `training=True`): lengths
+            known only at run time go in chunks (`RUNTIME_CHUNKS`).
 
     Returns:
         An `AttentionPlan`.
@@ -252,16 +258,17 @@ def plan_attention(
     if not_fused and flash_attention:
         refuse_flash(not_fused)
     key_length = key_shape[2 if heads_major else 1]
-    if segmented:  # their mask, folded in unless in chunks
-        mask_shape = mask_shape or (query_shape[0], 1, query_shape[1], key_length)
     chunk_rows = None
     if not (dropout or return_scores):
+        runtime = training and backend in RUNTIME_CHUNKS
         chunk_rows = _rows_per_chunk(
-            query_shape, key_length, mask_shape, bias_shape, backend
+            query_shape, key_length, mask_shape, bias_shape, runtime
         )
+    if segmented:  # their mask, folded in unless in chunks
+        mask_shape = mask_shape or (query_shape[0], 1, query_shape[1], key_length)
     if flash_attention is None:
         not_fused += _explicit_here(backend, platform, chunk_rows)
-        if segmented and chunk_rows:
+        if segmented and isinstance(chunk_rows, int):
             not_fused += (LONG_SEGMENTS,)
     elif flash_attention is False:
         not_fused += ("flash_attention=False",)
@@ -366,19 +373,18 @@ def refuse_flash(reasons, received="", asked=None, advice=None):
     )
 
 
-def _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape, backend):
+def _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape, runtime):
     """Query rows per chunk of the explicit path, `RUNTIME` where the lengths
-    are known only at run time (`runtime_rows_per_chunk` then), or `None` to
-    materialize."""
+    are known only at run time and `runtime` allows it
+    (`runtime_rows_per_chunk` then), or `None` to materialize. The masks'
+    query axes must be static: whether they go with the rows or broadcast."""
     length, heads = query_shape[1], query_shape[2]
-    if not isinstance(heads, int):
+    query_axes = [shape[2] for shape in (mask_shape, bias_shape) if shape is not None]
+    if not isinstance(heads, int) or None in query_axes:
         return None
     if not all(isinstance(n, int) for n in (length, key_length)):
-        return RUNTIME if backend in RUNTIME_CHUNKS else None
-    broadcast = [shape[2:] for shape in (mask_shape, bias_shape) if shape is not None]
-    if any(None in shape for shape in broadcast) or (
-        heads * length * key_length < CHUNKED_FROM
-    ):
+        return RUNTIME if runtime else None
+    if heads * length * key_length < CHUNKED_FROM:
         return None
     return min(length, max(MIN_CHUNK_ROWS, CHUNK_LOGITS // (heads * key_length)))
 
@@ -388,8 +394,10 @@ def runtime_rows_per_chunk(length, heads, key_length):
     tensors): all `length` rows in one chunk below `CHUNKED_FROM` logits,
     which is the materialized computation."""
     logits = heads * key_length
-    rows = ops.clip(CHUNK_LOGITS // ops.maximum(logits, 1), MIN_CHUNK_ROWS, length)
-    total = ops.cast(logits, "float32") * ops.cast(length, "float32")  # no overflow
+    rows = ops.maximum(CHUNK_LOGITS // ops.maximum(logits, 1), MIN_CHUNK_ROWS)
+    rows = ops.maximum(ops.minimum(rows, length), 1)
+    # In float: int32 overflows at long lengths (32 heads of 65,536 keys).
+    total = ops.cast(logits, "float32") * ops.cast(length, "float32")
     return ops.where(total < CHUNKED_FROM, ops.maximum(length, 1), rows)
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from keras_attn import ops as attn_ops
 from keras_attn.ops import plan
+from keras_attn.ops.attention import attend
+from keras_attn.ops.positions import segment_runs
 from tests.helpers.backend import (
     BACKEND,
     compiled_value_and_gradients,
@@ -64,9 +66,8 @@ def test_compiled_chunked_gradients_equal_the_materialized_path(case, small_chun
 
 def _tensorflow_unknown_lengths(fn, arrays, jit_compile):
     """`fn` under `tf.function` traced with every length unknown (axis 1 of
-    each array, and a mask's two last axes), as Keras traces
-    `keras.Input((None, width))`; the gradients as
-    `compiled_value_and_gradients` takes them."""
+    the rank-4 arrays, the last axis of the others), as Keras traces
+    `keras.Input((None, width))`."""
     import tensorflow as tf
 
     def unknown(x, axes):
@@ -86,42 +87,45 @@ def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatc
     text writes each array's shape, e.g. `f32[1,2,32,256]`): in chunks, a
     chunk's logits; materialized, all `H * T * S` of them (the memory rule of
     `plan.CHUNKED_FROM`, `benchmarks/long_sequence.py`). Traced with the
-    length unknown (`keras.Input((None, width))`), the rule is computed in
-    the graph: chunks at 256 rows, one chunk under `CHUNKED_FROM`."""
+    length unknown (`keras.Input((None, width))`), a training call's rule is
+    computed in the graph: chunks at 256 rows, one chunk under
+    `CHUNKED_FROM`; an inference call materializes (what export takes)."""
     import tensorflow as tf
 
     monkeypatch.setattr(plan, "CHUNK_LOGITS", 2 * 32 * 256)  # chunks of 32 rows
     q = random_floats(1, 256, 2, 8)
 
-    def gradient(q):
-        with tf.GradientTape() as tape:
-            tape.watch(q)
-            output = attn_ops.dot_product_attention(q, q, q, is_causal=True)
-            total = tf.reduce_sum(output * output)
-        return tape.gradient(total, q)
-
-    def largest(chunked_from, length=256, unknown=False):
+    def largest(chunked_from, length=256, unknown=False, training=True):
         monkeypatch.setattr(plan, "CHUNKED_FROM", chunked_from)
-        x = tf.constant(q[:, :length])
+
+        def gradient(q):
+            with tf.GradientTape() as tape:
+                tape.watch(q)
+                output = attend(q, q, q, is_causal=True, training=training)
+                total = tf.reduce_sum(output * output)
+            return tape.gradient(total, q)
+
         if unknown:
             traced = _tensorflow_unknown_lengths(gradient, [q], jit_compile=True)
         else:
             traced = tf.function(gradient, jit_compile=True)
-        return largest_xla_array(traced, x)
+        return largest_xla_array(traced, tf.constant(q[:, :length]))
 
     assert largest(1) == 2 * 32 * 256
     assert largest(float("inf")) >= 2 * 256 * 256
     assert largest(2 * 64 * 256, unknown=True) == 2 * 32 * 256
     assert largest(2 * 64 * 256, length=48, unknown=True) == 2 * 48 * 48
+    assert largest(2 * 64 * 256, unknown=True, training=False) >= 2 * 256 * 256
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's unknown lengths")
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_tensorflow_lengths_known_at_run_time_go_in_chunks(jit_compile, small_chunks):
-    """A graph traced with the lengths unknown (`keras.Input((None, width))`)
-    still goes in chunks, counted in the graph (`plan.RUNTIME`; 11 rows in
-    chunks of 4): causal, masked, segment ids and sink logits, forward and
-    backward, equal to the materialized path, in a graph and under XLA."""
+    """A training call traced with the lengths unknown (`keras.Input((None,
+    width))`) still goes in chunks, counted in the graph (`plan.RUNTIME`; 11
+    rows in chunks of 4): causal, masked, segment ids and sink logits,
+    forward and backward, equal to the materialized path, in a graph and
+    under XLA; a call of no rows gives no rows."""
     import tensorflow as tf
 
     q = random_floats(2, 11, 4, 8, seed=1, scale=3.0)
@@ -133,8 +137,10 @@ def test_tensorflow_lengths_known_at_run_time_go_in_chunks(jit_compile, small_ch
     def step(q, k, v, ids):
         with tf.GradientTape() as tape:
             tape.watch((q, k, v))
-            output = attn_ops.dot_product_attention(
-                q, k, v, is_causal=True, query_segment_ids=ids, sink_logits=sinks,
+            runs = segment_runs(ids)
+            output = attend(
+                q, k, v, is_causal=True, segment_ids=(runs, runs),
+                sink_logits=sinks, training=True,
                 mask=tf.sequence_mask(tf.shape(k)[1] - 1 - tf.range(2), tf.shape(k)[1])[
                     :, None, None
                 ],
@@ -145,6 +151,10 @@ def test_tensorflow_lengths_known_at_run_time_go_in_chunks(jit_compile, small_ch
     traced = _tensorflow_unknown_lengths(step, (q, k, v, ids), jit_compile)
     ours = traced(q, k, v, ids)
     assert small_chunks.calls == [(2, None, 4, 8)], small_chunks.calls
+    empty = traced(q[:, :0], k[:, :0], v[:, :0], ids[:, :0])
+    assert [tuple(x.shape) for x in keras.tree.flatten(empty)] == [
+        (2, 0, 4, 8), (2, 0, 4, 8), (2, 0, 2, 8), (2, 0, 2, 8)
+    ]  # fmt: skip
     small_chunks()
     theirs = step(*(tf.constant(x) for x in (q, k, v, ids)))
     for a, b in zip(keras.tree.flatten(ours), keras.tree.flatten(theirs), strict=True):

@@ -146,9 +146,24 @@ EXPLICIT = {
         "materialized",
         "sink logits",
     ),
-    "unknown length, TensorFlow: chunked, counted at run time": (
-        dict(backend="tensorflow", shapes=((1, None, 8, 8), (1, None, 8, 8))),
+    "unknown length, TensorFlow, training: chunked, counted at run time": (
+        dict(backend="tensorflow", training=True, shapes=((1, None, 8, 8),) * 2),
         "chunked",
+        "TensorFlow",
+    ),
+    "unknown length, TensorFlow, inference: materialized (export takes it)": (
+        dict(backend="tensorflow", shapes=((1, None, 8, 8),) * 2),
+        "materialized",
+        "TensorFlow",
+    ),
+    "unknown length, TensorFlow, a mask per row of unknown rows: materialized": (
+        dict(
+            backend="tensorflow",
+            training=True,
+            mask_shape=(1, 1, None, None),
+            shapes=((1, None, 8, 8),) * 2,
+        ),  # fmt: skip
+        "materialized",
         "TensorFlow",
     ),
 }
@@ -204,17 +219,22 @@ def test_torch_export_of_a_dynamic_length_pins_the_composite_kernel():
     ) == AttentionPlan("fused", repeat_key_value_heads=True, require_fused=True)
 
 
-@pytest.mark.parametrize("length", [1, 16, 1000, 2897, 8192, 30000])
-def test_rows_counted_at_run_time_follow_the_static_rule(length):
+@pytest.mark.parametrize(
+    "length, key_length",
+    [(1, 1), (16, 16), (1000, 1000), (2897, 2897), (8192, 8192), (30000, 30000),
+     (8, 2**24), (0, 0)],
+)  # fmt: skip
+def test_rows_counted_at_run_time_follow_the_static_rule(length, key_length):
     """The rule for lengths known only at run time, on int tensors, gives the
-    static rule's rows (8 heads, self-attention), and all rows in one chunk
-    where the static rule materializes."""
-    static = plan("tensorflow", shapes=((1, length, 8, 8), (1, length, 8, 8)))
+    static rule's rows (8 heads), fewer than `MIN_CHUNK_ROWS` where there are
+    fewer rows, all rows in one chunk where the static rule materializes, and
+    one row where there is none."""
+    static = plan("tensorflow", shapes=((1, length, 8, 8), (1, key_length, 8, 8)))
     rows = runtime_rows_per_chunk(
         keras.ops.convert_to_tensor(length, "int32"), 8,
-        keras.ops.convert_to_tensor(length, "int32"),
+        keras.ops.convert_to_tensor(key_length, "int32"),
     )  # fmt: skip
-    expected = static.chunk_rows if static.kernel == "chunked" else length
+    expected = static.chunk_rows if static.kernel == "chunked" else max(length, 1)
     assert int(keras.ops.convert_to_numpy(rows)) == expected
 
 

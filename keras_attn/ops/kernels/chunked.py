@@ -37,7 +37,6 @@ from keras import ops
 from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.kernels import blocks, explicit
 from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
-from keras_attn.ops.plan import RUNTIME, runtime_rows_per_chunk
 
 
 class Masking(NamedTuple):
@@ -71,7 +70,7 @@ def attention(
     """
     masking = Masking(mask, bias, is_causal, segment_ids, band)
     length = ops.shape(query)[1]
-    count, rows = _layout(query, key, plan, options)
+    count, rows = _layout(query, plan)
     windows = None
     if bias is None and isinstance(count, int):
         key_length = key.shape[2 if options.heads_major else 1]
@@ -129,19 +128,16 @@ def attention(
     return attend(query, key, value, *extra.values())
 
 
-def _layout(query, key, plan, options):
+def _layout(query, plan):
     """`(count, rows)`: how many chunks, and the rows of each (the fewest
     padded rows for `count` chunks): Python ints, or int32 tensors where
-    the lengths are known only at run time (`plan.RUNTIME`)."""
-    length = ops.shape(query)[1]
-    rows = plan.chunk_rows
-    if rows == RUNTIME:
-        key_length = ops.shape(key)[2 if options.heads_major else 1]
-        rows = runtime_rows_per_chunk(length, query.shape[2], key_length)
-        count = ops.maximum(-(-length // rows), 1)  # a row-less call: 1 chunk
-        return count, -(-length // count)
+    the lengths are known only at run time (the plan's rows a tensor)."""
+    length, rows = ops.shape(query)[1], plan.chunk_rows
     count = -(-length // rows)
-    return count, -(-length // count)
+    if isinstance(count, int):
+        return count, -(-length // count)
+    count = ops.maximum(count, 1)  # a row-less call: one chunk of one row
+    return count, ops.maximum(-(-length // count), 1)
 
 
 def _recomputed(query, key, value, masking, layout, options, extra):
