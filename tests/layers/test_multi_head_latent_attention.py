@@ -21,6 +21,7 @@ from keras_attn.models import DecoderLMSpec, decoder_lm
 from keras_attn.models.decoder_lm import spec_of
 from tests.helpers.backend import BACKEND, to_numpy
 from tests.helpers.contract import run_layer_contract
+from tests.helpers.doubles import count_key_widths
 
 # Distinct sizes, so that a swapped axis cannot pass.
 WIDTH, HEADS, LATENT, NOPE, ROPE, VALUE, QUERY_LATENT = 16, 4, 7, 5, 6, 3, 11
@@ -243,6 +244,21 @@ def test_left_padded_prompts_decode_as_each_prompt_alone(model):
     together = to_numpy(generate(model, [[3, 4, 5, 6], [7, 8]], max_length=10))
     alone = to_numpy(generate(model, [[7, 8]], max_length=8))
     np.testing.assert_array_equal(together[1, :8], alone[0])  # rows come back unpadded
+
+
+def test_a_prompts_prefill_skips_slots_in_the_absorbed_form(
+    model, small_chunks, monkeypatch
+):
+    """The absorbed prefill (index 0 of a `LatentCache`) is causal attention
+    to the chunked path: chunks of 4 rows of a 9-token prompt compute fewer
+    slots than the prompt's, and the tokens are the materialized path's."""
+    widths = count_key_widths(monkeypatch)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    tokens = to_numpy(generate(model, prompts, max_length=12))
+    assert small_chunks.calls and min(widths) < 9, widths
+    small_chunks()
+    expected = to_numpy(generate(model, prompts, max_length=12))
+    np.testing.assert_array_equal(tokens, expected)
 
 
 def test_spec_and_keras_round_trips(model, tmp_path):
