@@ -1,5 +1,6 @@
 """Block skipping on the chunked path: causal attention and sliding windows,
-forward and backward, with and without skipping the hidden keys.
+forward and backward, and a prompt's prefill, forward only, with and
+without skipping the hidden keys.
 
     OMP_NUM_THREADS=1 KERAS_BACKEND=jax python benchmarks/block_skipping.py
     OMP_NUM_THREADS=1 python benchmarks/block_skipping.py --only prefill
@@ -19,13 +20,16 @@ Rows:
   twice as many slots, with the cache's mask (`cache.mask`), as
   `decode_unchecked` gets it, without and with `is_causal`
   (`cache.top_left_causal`: what the layers pass now), against the
-  unmasked call over the prompt's own keys.
+  unmasked call over the prompt's own keys; and the same two with
+  `flash_attention=None` (the backend's default kernel: fused on PyTorch
+  and on JAX below the chunks), where `is_causal` must cost nothing.
 
 "before" is the same process with `blocks.key_windows` answering `None`:
 every chunk over every key, the code path before block skipping. Seconds:
 the median of `--calls` timed calls after a warm-up call
-(`benchmarks/timing.py`), interleaved. Results go to
-`benchmarks/results/block_skipping_<backend>.md`.
+(`benchmarks/timing.py`), interleaved. A section's size 0 leaves it out.
+Results go to `benchmarks/results/block_skipping_<backend>.md`, or with
+`--only SECTION` to `block_skipping_<backend>_<section>.md`.
 """
 
 import argparse
@@ -38,6 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import write_report  # noqa: E402
 from benchmarks.timing import describe, time_calls  # noqa: E402
+from keras_attn.cache import DenseCache  # noqa: E402
 from keras_attn.ops.attention import attend  # noqa: E402
 from keras_attn.ops.kernels import blocks  # noqa: E402
 
@@ -158,22 +163,22 @@ def causal_rows(length, calls):
 def prefill_rows(length, calls):
     """A prompt of `length` tokens written at index 0 into a cache of
     `2 * length` slots, attended with the cache's mask, forward only."""
-    from keras_attn.cache._slots import linear_mask
-
-    mask = linear_mask(0, length, 2 * length)
+    mask = DenseCache.empty(1, HEADS, 2 * length, WIDTH).mask(0, length)
 
     def full(q, k, v):
         return attend(q, k[:, :length], v[:, :length], flash_attention=False)
 
-    def prefill(causal):
+    def prefill(causal, flash_attention=False):
         return lambda q, k, v: attend(
-            q, k, v, mask=mask, is_causal=causal, flash_attention=False
+            q, k, v, mask=mask, is_causal=causal, flash_attention=flash_attention
         )
 
     cases = {
         "prompt, no mask": (full, length, False),
         "prefill, the mask only (before)": (prefill(False), length, False),
         "prefill, is_causal": (prefill(True), length, False),
+        "default kernel: prefill, the mask only": (prefill(False, None), length, False),
+        "default kernel: prefill, is_causal": (prefill(True, None), length, False),
     }
     seconds = timed(cases, calls, forward, slots=2 * length)
     base = seconds["prompt, no mask"]
@@ -224,7 +229,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--causal-length", type=int, default=8192)
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--window-lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--window-lengths", type=int, nargs="*", default=[4096, 16384])
     parser.add_argument(
         "--window-before", type=int, nargs="*", default=[4096, 8192],
         help="Lengths to time the window without skipping at.",
@@ -239,12 +244,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     backend = keras.config.backend()
     lines = [
-        f"### Block skipping, `KERAS_BACKEND={backend}`, fwd+bwd, batch 1, "
+        f"### Block skipping, `KERAS_BACKEND={backend}`, batch 1, "
         f"{HEADS} heads of {WIDTH}, OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
         "",
-        f"Seconds: {describe(args.calls)}. Ratio: to the unmasked call, or "
-        "of the longest window row to the shortest.",
+        f"Seconds: {describe(args.calls)}. Forward and backward, but the "
+        "prefill (forward only). Ratio: to the unmasked call, or of the "
+        "longest window row to the shortest.",
         "",
         "| call | T | seconds | ratio |",
         "|---|---:|---:|---:|",
@@ -256,8 +262,11 @@ def main(argv=None):
         ),
         "prefill": lambda: prefill_rows(args.prefill, args.calls),
     }
+    sizes = {"causal": args.causal_length, "window": args.window_lengths}
+    sizes["prefill"] = args.prefill
     for name, rows in sections.items():
-        for line in rows() if args.only in (None, name) else []:
+        chosen = args.only in (None, name) and sizes[name]
+        for line in rows() if chosen else []:
             lines.append(line)
             print(line, flush=True)
     text = "\n".join(lines) + "\n"
