@@ -18,11 +18,11 @@ Rows:
   the shortest (linear: their length ratio; quadratic: its square);
 - a prompt's prefill, forward only: `--prefill` prompt tokens over a cache of
   twice as many slots, with the cache's mask (`cache.mask`), as
-  `decode_unchecked` gets it, without and with `is_causal`
+  `decode_unchecked` gets it, without and with `within_causal`
   (`cache.top_left_causal`: what the layers pass now), against the
   unmasked call over the prompt's own keys; and the same two with
-  `flash_attention=None` (the backend's default kernel: fused on PyTorch
-  and on JAX below the chunks), where `is_causal` must cost nothing.
+  `flash_attention=None` (the backend's default kernel: fused on PyTorch),
+  where `within_causal` must cost nothing.
 
 "before" is the same process with `blocks.key_windows` answering `None`:
 every chunk over every key, the code path before block skipping. Seconds:
@@ -170,15 +170,16 @@ def prefill_rows(length, calls):
 
     def prefill(causal, flash_attention=False):
         return lambda q, k, v: attend(
-            q, k, v, mask=mask, is_causal=causal, flash_attention=flash_attention
-        )
+            q, k, v, mask=mask, within_causal=causal,
+            flash_attention=flash_attention,
+        )  # fmt: skip
 
     cases = {
         "prompt, no mask": (full, length, False),
         "prefill, the mask only (before)": (prefill(False), length, False),
-        "prefill, is_causal": (prefill(True), length, False),
+        "prefill, within_causal": (prefill(True), length, False),
         "default kernel: prefill, the mask only": (prefill(False, None), length, False),
-        "default kernel: prefill, is_causal": (prefill(True, None), length, False),
+        "default kernel: prefill, within_causal": (prefill(True, None), length, False),
     }
     seconds = timed(cases, calls, forward, slots=2 * length)
     base = seconds["prompt, no mask"]

@@ -27,8 +27,8 @@ heads, window, sinks) is read from their shapes. They share a few members:
 - `top_left_causal(index)`: whether that mask is known, when the call is
   traced, to lie within the top-left causal mask (query `i` sees no slot
   past `i`: a prompt's prefill at the Python int 0 on slots that hold their
-  positions), so that attention may apply it too (`is_causal`) and skip the
-  slots past each query;
+  positions), so that attention may skip the slots past each query
+  (`attend`'s `within_causal`);
 - `grown(size)`: the cache padded to `size` slots (a decoding's segments;
   not the rolling cache, which keeps its window);
 - `length` (slots) and `nbytes` (memory).

@@ -276,8 +276,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         prefill), the position of the first new token; `positions`: their
         rotary positions (`(batch, length)` or `(length,)`); `mask`: the
         slots each sees (bool, within the causal mask as `cache.mask`'s is;
-        where `cache.top_left_causal(index)`, attention applies that causal
-        mask too, and so skips the slots past each query); `calls`: how
+        where `cache.top_left_causal(index)`, attention is told so, and its
+        chunked path skips the slots past each chunk's rows); `calls`: how
         sublayers are called (a decoding's `SublayerCalls`; by default
         `call_sublayer`). Returns `(output (batch, length, output width),
         cache)`.
@@ -291,7 +291,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         context = attend(
             q, keys, values,
             mask=mask,
-            is_causal=index is not None and cache.top_left_causal(index),
+            within_causal=index is not None and cache.top_left_causal(index),
             flash_attention=self.flash_attention,
             heads_major=True,
             logit_soft_cap=self.logit_soft_cap,

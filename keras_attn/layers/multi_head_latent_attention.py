@@ -314,7 +314,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         if self.key_value_b.quantization_mode is not None:
             k, v = self._expanded(*self._split(cached), calls)
             context = attend(
-                q, k, v, mask=mask, is_causal=cache.top_left_causal(index),
+                q, k, v, mask=mask, within_causal=cache.top_left_causal(index),
                 scale=self._scale,
             )  # fmt: skip
             return calls(self.attention_output, context), cache
@@ -326,7 +326,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         context = attend(
             q, latents, latents[..., : self.kv_lora_rank],
             mask=mask,
-            is_causal=cache.top_left_causal(index),
+            within_causal=cache.top_left_causal(index),
             scale=self._scale,
             flash_attention=False if self.flash_attention is False else None,
             heads_major=True,

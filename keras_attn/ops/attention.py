@@ -198,6 +198,7 @@ def attend(
     sink_logits=None,
     band=None,
     training=False,
+    within_causal=False,
 ):
     """`dot_product_attention` without its checks, for callers that checked
     what they pass (the layers check their own calls, once); `segment_ids`:
@@ -208,7 +209,10 @@ def attend(
     (`window_band`, query `i` at position `i`), or `None`: the chunked path
     builds it chunk by chunk and skips the keys outside it, the others fold
     it into the mask; `training`: a training call (the plan's
-    `training`)."""
+    `training`); `within_causal`: a promise that `mask` lies within the
+    causal mask (a prefill's cache mask, `cache.top_left_causal`): the
+    chunked path then skips the keys past each chunk's rows as with
+    `is_causal`, and the other kernels take the mask as it is."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
@@ -232,6 +236,7 @@ def attend(
         segmented=segment_ids is not None,
         training=training,
     )
+    is_causal = is_causal or (within_causal and plan.kernel == "chunked")
     if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
         mask = merge_attention_masks(mask, same_segment(*segment_ids))
         segment_ids = None

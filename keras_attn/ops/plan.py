@@ -92,9 +92,11 @@ bias. The chunks go in at most `blocks.MAX_GROUPS` loops, each with one
 static key width, so XLA compiles them; causal attention then computes about
 0.56 of the logits at 16 chunks, a window of `w` about `rows + w - 1` keys a
 row (`benchmarks/block_skipping.py`). A prompt's prefill is causal
-attention here: the caches say when their mask is top-left causal
-(`cache.top_left_causal`, index 0), and the layers pass `is_causal`, so each
-chunk skips the slots past its rows, the cache's unwritten tail included.
+attention here: the caches say when their mask lies within the top-left
+causal mask (`cache.top_left_causal`, index 0), and the layers pass
+`attend(within_causal=True)`, so each chunk skips the slots past its rows,
+the cache's unwritten tail included; the other kernels take the mask as it
+is (folding the causal mask in again cost torch's fused kernel 16%).
 Segment ids, other cache offsets (a speculative verify pass) and lengths
 known only at run time skip nothing yet.
 
