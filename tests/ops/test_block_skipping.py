@@ -8,7 +8,7 @@ import pytest
 
 import keras_attn
 from keras_attn.ops.kernels import blocks
-from tests.helpers.backend import compiled_value_and_gradients
+from tests.helpers.backend import compiled_value_and_gradients, to_numpy
 from tests.helpers.builders import random_floats
 from tests.helpers.doubles import count_key_widths
 
@@ -130,4 +130,28 @@ def test_a_sliding_window_layer_skips_keys_and_keeps_its_numbers(
         keras.ops.convert_to_numpy(layer(x, use_causal_mask=True)),
         atol=1e-5,
         rtol=1e-5,
+    )
+
+
+def test_within_causal_changes_only_which_keys_the_chunks_compute(
+    small_chunks, monkeypatch
+):
+    """`within_causal` (a prefill's cache mask): in chunks, the keys past each
+    chunk's rows are skipped and the numbers are the mask's; on the other
+    kernels the mask is taken as it is, not folded with a causal mask again
+    (shown with a mask that is not causal, which the promise rules out)."""
+    q, k = random_floats(2, 9, 4, 8, seed=1), random_floats(2, 16, 2, 8, seed=2)
+    slots = np.arange(16)[None, :] <= np.arange(9)[:, None]  # a cache's, (9, 16)
+
+    def attend(mask, **kwargs):
+        return to_numpy(keras_attn.ops.attention.attend(q, k, k, mask=mask, **kwargs))
+
+    widths = count_key_widths(monkeypatch)
+    chunked = attend(slots, within_causal=True, flash_attention=False)
+    assert small_chunks.calls and min(widths) < 9, widths
+    small_chunks()  # then each backend's default kernel: fused, or materialized
+    np.testing.assert_allclose(chunked, attend(slots), atol=1e-5, rtol=1e-5)
+    everything = np.ones((9, 16), bool)
+    np.testing.assert_array_equal(
+        attend(everything, within_causal=True), attend(everything)
     )
