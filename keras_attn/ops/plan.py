@@ -96,7 +96,7 @@ attention here: the caches say when their mask lies within the top-left
 causal mask (`cache.top_left_causal`, index 0), and the layers pass
 `attend(within_causal=True)`, so each chunk skips the slots past its rows,
 the cache's unwritten tail included; the other kernels take the mask as it
-is (folding the causal mask in again cost torch's fused kernel 16%).
+is (folding a causal mask in again is `(T, S)` work for nothing there).
 Segment ids, other cache offsets (a speculative verify pass) and lengths
 known only at run time skip nothing yet.
 
