@@ -275,8 +275,8 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         `keras_attn.cache` object; `index`: int32 scalar (or the int 0 of a
         prefill), the position of the first new token; `positions`: their
         rotary positions (`(batch, length)` or `(length,)`); `mask`: the
-        slots each sees (bool, within the causal mask as `cache.mask`'s is;
-        where `cache.top_left_causal(index)`, attention is told so, and its
+        slots each sees (bool; with `index`, within the causal mask as
+        `cache.mask`'s is, and where `cache.top_left_causal(index)` the
         chunked path skips the slots past each chunk's rows); `calls`: how
         sublayers are called (a decoding's `SublayerCalls`; by default
         `call_sublayer`). Returns `(output (batch, length, output width),
@@ -291,7 +291,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         context = attend(
             q, keys, values,
             mask=mask,
-            within_causal=index is not None and cache.top_left_causal(index),
+            within_causal=mask is not None and cache.top_left_causal(index),
             flash_attention=self.flash_attention,
             heads_major=True,
             logit_soft_cap=self.logit_soft_cap,

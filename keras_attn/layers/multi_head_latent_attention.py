@@ -306,6 +306,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         kernels are expanded instead (their stored kernel is not `W_UK`).
         """
         calls = calls or call_sublayer
+        prefill = mask is not None and cache.top_left_causal(index)
         if positions is None:
             positions = index + ops.arange(0, ops.shape(query)[1], dtype="int32")
         q = self._queries(query, positions, calls)
@@ -314,7 +315,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         if self.key_value_b.quantization_mode is not None:
             k, v = self._expanded(*self._split(cached), calls)
             context = attend(
-                q, k, v, mask=mask, within_causal=cache.top_left_causal(index),
+                q, k, v, mask=mask, within_causal=prefill,
                 scale=self._scale,
             )  # fmt: skip
             return calls(self.attention_output, context), cache
@@ -326,7 +327,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         context = attend(
             q, latents, latents[..., : self.kv_lora_rank],
             mask=mask,
-            within_causal=cache.top_left_causal(index),
+            within_causal=prefill,
             scale=self._scale,
             flash_attention=False if self.flash_attention is False else None,
             heads_major=True,

@@ -223,7 +223,7 @@ def attend(
         tuple(value.shape),
         query.dtype,
         heads_major=heads_major,
-        mask_shape=_mask_shape(mask, band, query, key, heads_major),
+        mask_shape=None if mask is None else tuple(mask.shape),
         bias_shape=None if bias is None else tuple(bias.shape),
         is_causal=is_causal,
         dropout=dropout is not None,
@@ -234,6 +234,7 @@ def attend(
         platform=platform_of(query),
         exporting=exported_by_torch(),
         segmented=segment_ids is not None,
+        banded=band is not None,
         training=training,
     )
     is_causal = is_causal or (within_causal and plan.kernel == "chunked")
@@ -258,15 +259,6 @@ def attend(
         plan, query, key, value, mask, bias, is_causal, options, segments
     )
     return (output, weights) if return_scores else output
-
-
-def _mask_shape(mask, band, query, key, heads_major):
-    """The shape of the mask the kernel gets, with `band` `(T, S)` folded
-    in (or `None`)."""
-    if band is None:
-        return None if mask is None else tuple(mask.shape)
-    lengths = (query.shape[1], key.shape[2 if heads_major else 1])
-    return (1, 1, *lengths) if mask is None else (*mask.shape[:2], *lengths)
 
 
 def _run(plan, query, key, value, mask, bias, is_causal, options, segments):

@@ -82,7 +82,9 @@ row (`H * T * S`). In training calls, lengths known only at run time
 (TensorFlow with `keras.Input((None, width))`, `RUNTIME_CHUNKS`) go in
 chunks counted in the graph by the same rule, which puts a call under
 `CHUNKED_FROM` logits in one chunk: the materialized computation, with the
-chunked path's gradient.
+chunked path's gradient. Other calls of unknown length (`predict`,
+`evaluate`, `fit`'s validation, `Model.export`, and `dot_product_attention`,
+which takes no `training`) materialize.
 
 In chunks, a chunk of query rows computes only the keys that the masks by
 position may leave visible (`kernels/blocks.py`): with `is_causal` (keys up
@@ -215,6 +217,7 @@ def plan_attention(
     platform=None,
     exporting=False,
     segmented=False,
+    banded=False,
     training=False,
 ):
     """The `AttentionPlan` for one call (the rules: this module's docstring).
@@ -240,6 +243,9 @@ def plan_attention(
         segmented: bool. The call has segment ids (packed sequences): in
             chunks they ride with each chunk, elsewhere their mask `(B, 1,
             T, S)` is folded into the mask.
+        banded: bool. The call has a band by position (a layer's sliding
+            window): in chunks each chunk builds it, elsewhere its mask
+            `(T, S)` is folded into the mask.
         training: bool. A training call (Keras' `training=True`): lengths
             known only at run time go in chunks (`RUNTIME_CHUNKS`).
 
@@ -266,7 +272,7 @@ def plan_attention(
         chunk_rows = _rows_per_chunk(
             query_shape, key_length, mask_shape, bias_shape, runtime
         )
-    if segmented:  # their mask, folded in unless in chunks
+    if segmented or banded:  # their mask, folded in unless in chunks
         mask_shape = mask_shape or (query_shape[0], 1, query_shape[1], key_length)
     if flash_attention is None:
         not_fused += _explicit_here(backend, platform, chunk_rows)
@@ -379,14 +385,17 @@ def _rows_per_chunk(query_shape, key_length, mask_shape, bias_shape, runtime):
     """Query rows per chunk of the explicit path, `RUNTIME` where the lengths
     are known only at run time and `runtime` allows it
     (`runtime_rows_per_chunk` then), or `None` to materialize. The masks'
-    query axes must be static: whether they go with the rows or broadcast."""
+    query axes must be static (whether they go with the rows or broadcast),
+    and with static lengths their key axes too (the key windows slice them)."""
     length, heads = query_shape[1], query_shape[2]
-    query_axes = [shape[2] for shape in (mask_shape, bias_shape) if shape is not None]
-    if not isinstance(heads, int) or None in query_axes:
+    masks = [shape[2:] for shape in (mask_shape, bias_shape) if shape is not None]
+    if not isinstance(heads, int) or any(shape[0] is None for shape in masks):
         return None
     if not all(isinstance(n, int) for n in (length, key_length)):
-        return RUNTIME if runtime else None
-    if heads * length * key_length < CHUNKED_FROM:
+        return RUNTIME if runtime else None  # the keys all taken: axis 3 as is
+    if any(None in shape for shape in masks) or (
+        heads * length * key_length < CHUNKED_FROM
+    ):
         return None
     return min(length, max(MIN_CHUNK_ROWS, CHUNK_LOGITS // (heads * key_length)))
 

@@ -123,9 +123,10 @@ def test_tensorflow_xla_gradient_keeps_no_weights_of_the_whole_length(monkeypatc
 def test_tensorflow_lengths_known_at_run_time_go_in_chunks(jit_compile, small_chunks):
     """A training call traced with the lengths unknown (`keras.Input((None,
     width))`) still goes in chunks, counted in the graph (`plan.RUNTIME`; 11
-    rows in chunks of 4): causal, masked, segment ids and sink logits,
-    forward and backward, equal to the materialized path, in a graph and
-    under XLA; a call of no rows gives no rows."""
+    rows in chunks of 4): causal, masked, a sliding window's band with a
+    sink, segment ids and sink logits, forward and backward, equal to the
+    materialized path, in a graph and under XLA; a call of no rows gives no
+    rows."""
     import tensorflow as tf
 
     q = random_floats(2, 11, 4, 8, seed=1, scale=3.0)
@@ -140,7 +141,7 @@ def test_tensorflow_lengths_known_at_run_time_go_in_chunks(jit_compile, small_ch
             runs = segment_runs(ids)
             output = attend(
                 q, k, v, is_causal=True, segment_ids=(runs, runs),
-                sink_logits=sinks, training=True,
+                sink_logits=sinks, training=True, band=(5, 1),
                 mask=tf.sequence_mask(tf.shape(k)[1] - 1 - tf.range(2), tf.shape(k)[1])[
                     :, None, None
                 ],

@@ -151,6 +151,17 @@ EXPLICIT = {
         "chunked",
         "TensorFlow",
     ),
+    "unknown length, TensorFlow, training, a sliding window's band: chunked": (
+        dict(
+            backend="tensorflow",
+            training=True,
+            banded=True,
+            mask_shape=(1, 1, 1, None),
+            shapes=((1, None, 8, 8),) * 2,
+        ),  # fmt: skip
+        "chunked",
+        "TensorFlow",
+    ),
     "unknown length, TensorFlow, inference: materialized (export takes it)": (
         dict(backend="tensorflow", shapes=((1, None, 8, 8),) * 2),
         "materialized",
