@@ -291,7 +291,7 @@ class MultiHeadAttention(ConfigCheck, keras.layers.Layer):
         context = attend(
             q, keys, values,
             mask=mask,
-            within_causal=mask is not None and cache.top_left_causal(index),
+            within_causal=cache.top_left_causal(index),
             flash_attention=self.flash_attention,
             heads_major=True,
             logit_soft_cap=self.logit_soft_cap,

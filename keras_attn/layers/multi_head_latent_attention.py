@@ -306,7 +306,7 @@ class MultiHeadLatentAttention(ConfigCheck, keras.layers.Layer):
         kernels are expanded instead (their stored kernel is not `W_UK`).
         """
         calls = calls or call_sublayer
-        prefill = mask is not None and cache.top_left_causal(index)
+        prefill = cache.top_left_causal(index)
         if positions is None:
             positions = index + ops.arange(0, ops.shape(query)[1], dtype="int32")
         q = self._queries(query, positions, calls)

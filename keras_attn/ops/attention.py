@@ -237,6 +237,8 @@ def attend(
         banded=band is not None,
         training=training,
     )
+    # The promise is about a mask: with none, it holds nothing.
+    within_causal = within_causal and mask is not None
     is_causal = is_causal or (within_causal and plan.kernel == "chunked")
     if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
         mask = merge_attention_masks(mask, same_segment(*segment_ids))

@@ -70,7 +70,7 @@ def attention(
     """
     masking = Masking(mask, bias, is_causal, segment_ids, band)
     length = ops.shape(query)[1]
-    count, rows = _layout(query, plan)
+    count, rows = _layout(length, plan.chunk_rows)
     windows = None
     if bias is None and isinstance(count, int):
         key_length = key.shape[2 if options.heads_major else 1]
@@ -128,11 +128,11 @@ def attention(
     return attend(query, key, value, *extra.values())
 
 
-def _layout(query, plan):
-    """`(count, rows)`: how many chunks, and the rows of each (the fewest
-    padded rows for `count` chunks): Python ints, or int32 tensors where
-    the lengths are known only at run time (the plan's rows a tensor)."""
-    length, rows = ops.shape(query)[1], plan.chunk_rows
+def _layout(length, rows):
+    """`(count, rows)`: how many chunks of about `rows` rows, and the rows
+    of each (the fewest padded rows for `count` chunks): Python ints, or
+    int32 tensors where the lengths are known only at run time (the plan's
+    rows a tensor)."""
     count = -(-length // rows)
     if isinstance(count, int):
         return count, -(-length // count)
@@ -234,11 +234,10 @@ def _forward(chunks, all_shared, all_key, all_value, options, window=None):
     # their counts on `None`), which the lengths known at run time give.
     query = chunks["query"]  # (N, B, C, H, D)
     count, batch, rows = (ops.shape(query)[axis] for axis in range(3))
+    heads = query.shape[3]
     first = (
-        ops.zeros((batch, rows, query.shape[3], value.shape[-1]), dtype=value.dtype),
-        ops.zeros(
-            (batch, query.shape[3], rows, 1), dtype=at_least_float32(query.dtype)
-        ),
+        ops.zeros((batch, rows, heads, value.shape[-1]), dtype=value.dtype),
+        ops.zeros((batch, heads, rows, 1), dtype=at_least_float32(query.dtype)),
     )
     return ops.scan(step, first, ops.arange(count, dtype="int32"))[1]
 
