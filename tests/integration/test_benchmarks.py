@@ -2,12 +2,12 @@
 the smoke runs of the GPU, PyTorch overhead, int8 cache and Hugging Face load
 benchmarks on a CPU."""
 
+import mmap
 import os
 import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from benchmarks import memory, timing
@@ -55,8 +55,15 @@ def test_describe_says_what_a_point_is():
 )
 def test_peak_growth_sees_memory_freed_before_it_returns():
     def allocate(mib):
-        block = np.ones(mib * 2**20 // 8)  # touched, so resident
-        return float(block[-1])
+        # Fresh pages from the kernel, not malloc's: in a worker that ran other
+        # tests, malloc may hand back memory already resident, and then there
+        # is no growth to see (it did in CI: 0 bytes for 64 MiB).
+        block = mmap.mmap(-1, mib * 2**20)
+        for page in range(0, len(block), mmap.PAGESIZE):
+            block[page] = 1  # touched, so resident
+        value = float(block[-mmap.PAGESIZE])
+        block.close()  # unmapped: freed before `peak_growth` returns
+        return value
 
     allocate(128)  # A high-water mark from before must not count.
     _, small = memory.peak_growth(lambda: allocate(1))
