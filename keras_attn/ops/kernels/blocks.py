@@ -1,6 +1,7 @@
 """Which keys each chunk of query rows can see, from what is known when the
-call is traced: the block structure of the chunked path, and how a chunk
-takes its window of keys (`keys_of`, `by_position`) and gives back their
+call is traced: the block structure of the chunked path (`key_windows`),
+the loops it makes of the chunks (`chunk_groups`), and how a chunk takes its
+window of keys (`windowed`, `keys_of`, `by_position`) and gives back their
 gradient (`add_keys`).
 
 A chunk of rows `[a, b)` can see only keys in one range (and the attention
@@ -16,8 +17,9 @@ element by element, so the numbers are those of all keys.
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 from keras import ops
 
 # At most this many groups (loops) of chunks. Each is one more loop to trace
@@ -170,3 +172,56 @@ def add_keys(total, part, chunk, view, options):
     return ops.slice_update(
         total, starts, keys_of(total, axis, chunk["start"], (width, 0)) + part
     )
+
+
+class View(NamedTuple):
+    """The keys a loop's chunks compute: the first `sinks`, then `width`
+    from each chunk's start (`None`: all keys), and the masks by position
+    each builds: causal, and a `KeyBand` or `None`."""
+
+    width: Any
+    sinks: int
+    is_causal: bool
+    band: Any
+
+
+def chunk_groups(chunks, windows, masking):
+    """`[(chunks, View)]`: the chunks of each group of `windows` (a
+    `KeyWindows`, or `None`: all chunks over all keys), with the
+    start of each chunk's window, and the keys they compute; `masking`:
+    the chunked path's `Masking` (its `is_causal` and `band`)."""
+    if windows is None:
+        return [(chunks, View(None, 0, masking.is_causal, masking.band))]
+    groups = []
+    for first, end, width in windows.groups:
+        group = {name: x[first:end] for name, x in chunks.items()}
+        starts = np.asarray(windows.starts[first:end], dtype="int32")
+        group["start"] = ops.convert_to_tensor(starts)
+        view = View(width, windows.sinks, masking.is_causal, masking.band)
+        groups.append((group, view))
+    return groups
+
+
+def windowed(chunk, shared, key, value, view, options):
+    """`(chunk, shared, key, value)` over the keys of `view` (a `View`):
+    the first `sinks` keys, then `width` from `chunk["start"]`, their masks
+    and segments too; the masks by position built from the keys' positions
+    (`chunk["causal"]`)."""
+    axis = 2 if options.heads_major else 1
+    chunk = dict(chunk)
+    if view.width is None:
+        keys = ops.arange(0, ops.shape(key)[axis], dtype="int32")
+    else:
+        start, window = chunk["start"], (view.width, view.sinks)
+        key, value = (keys_of(x, axis, start, window) for x in (key, value))
+        shared = {n: keys_of(x, -1, start, window) for n, x in shared.items()}
+        if "mask" in chunk:
+            chunk["mask"] = keys_of(chunk["mask"], -1, start, window)
+        keys = ops.arange(0, view.width, dtype="int32") + start
+        keys = ops.concatenate([ops.arange(0, view.sinks, dtype="int32"), keys])
+    if "offset" in chunk:  # (C, sinks + width)
+        queries = chunk.pop("offset") + ops.arange(
+            0, ops.shape(chunk["query"])[1], dtype="int32"
+        )
+        chunk["causal"] = by_position(queries, keys, view)
+    return chunk, shared, key, value

@@ -31,11 +31,18 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_attn.ops.dtypes import at_least_float32
 from keras_attn.ops.kernels import blocks, explicit
+from keras_attn.ops.kernels.chunk_layout import (
+    chunking,
+    in_chunks,
+    joined,
+    put,
+    split,
+    stacked,
+)
 from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
 
 
@@ -70,7 +77,7 @@ def attention(
     """
     masking = Masking(mask, bias, is_causal, segment_ids, band)
     length = ops.shape(query)[1]
-    count, rows = _layout(length, plan.chunk_rows)
+    count, rows = chunking(length, plan.chunk_rows)
     windows = None
     if bias is None and isinstance(count, int):
         key_length = key.shape[2 if options.heads_major else 1]
@@ -89,15 +96,15 @@ def attention(
         given = dict(zip(extra, tensors, strict=True))
         sinks = given.get("sink_logits")
         own = dataclasses.replace(options, sink_logits=sinks)
-        chunks, shared = _split(
+        chunks, shared = split(
             query, masking._replace(bias=given.get("bias")), count, rows
         )
         output, log_sum = (
-            _stacked(parts)
+            stacked(parts)
             for parts in zip(
                 *(
                     _forward(group, shared, key, value, own, window)
-                    for group, window in _groups(chunks, windows, masking)
+                    for group, window in blocks.chunk_groups(chunks, windows, masking)
                 ),
                 strict=True,
             )
@@ -106,16 +113,16 @@ def attention(
         def gradient(*args, upstream=None):
             # Keras' documented signature for every backend's custom gradient.
             upstream = args[0] if upstream is None else upstream
-            upstream = _in_chunks(upstream, 1, count, rows)  # (N, B, C, H, Dv)
+            upstream = in_chunks(upstream, 1, count, rows)  # (N, B, C, H, Dv)
             sums = _backward(
                 chunks, shared, key, value, output, log_sum, upstream, own,
                 (windows, masking),
             )  # fmt: skip
-            grads = [_joined(sums["query"], length), sums["key"], sums["value"]]
+            grads = [joined(sums["query"], length), sums["key"], sums["value"]]
             if "bias" in given:  # chunked like the bias: `(N, B|1, H|1, C, S)` per row
                 per_row = "bias" in chunks
                 grads.append(
-                    _joined(sums["bias"], length, 2) if per_row else sums["bias"]
+                    joined(sums["bias"], length, 2) if per_row else sums["bias"]
                 )
             if sinks is not None:
                 grads.append(sums["sink_logits"])
@@ -123,21 +130,9 @@ def attention(
                 ops.cast(g, x.dtype) for g, x in zip(grads, inputs, strict=True)
             )
 
-        return _joined(output, length), gradient
+        return joined(output, length), gradient
 
     return attend(query, key, value, *extra.values())
-
-
-def _layout(length, rows):
-    """`(count, rows)`: how many chunks of about `rows` rows, and the rows
-    of each (the fewest padded rows for `count` chunks): Python ints, or
-    int32 tensors where the lengths are known only at run time (the plan's
-    rows a tensor)."""
-    count = -(-length // rows)
-    if isinstance(count, int):
-        return count, -(-length // count)
-    count = ops.maximum(count, 1)  # a row-less call: one chunk of one row
-    return count, ops.maximum(-(-length // count), 1)
 
 
 def _recomputed(query, key, value, masking, layout, options, extra):
@@ -147,21 +142,21 @@ def _recomputed(query, key, value, masking, layout, options, extra):
     that are given, by name."""
     count, rows, windows = layout
     length = ops.shape(query)[1]
-    chunks, all_shared = _split(query, masking, count, rows)
+    chunks, all_shared = split(query, masking, count, rows)
     batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
     first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
     outputs = []
-    for group, window in _groups(chunks, windows, masking):
+    for group, window in blocks.chunk_groups(chunks, windows, masking):
         step = _recomputed_step(all_shared, key, value, window, options, extra)
         outputs.append(ops.scan(step, first, group)[1])
-    return _joined(_stacked(outputs), length)
+    return joined(stacked(outputs), length)
 
 
 def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
     """The scan step of `_recomputed` for chunks over `window`."""
 
     def step(previous, chunk):
-        chunk, shared, key, value = _windowed(
+        chunk, shared, key, value = blocks.windowed(
             chunk, all_shared, all_key, all_value, window, options
         )
 
@@ -185,32 +180,14 @@ def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
     return step
 
 
-def _split(query, masking, count, rows):
-    """`(chunks, shared)`: each chunk's inputs, stacked `(N, ...)`, and the
-    inputs all chunks share; `masking`: a `Masking`."""
-    chunks, shared = {"query": _in_chunks(query, 1, count, rows)}, {}
-    if masking.segments is not None:  # the rows' per chunk, the keys' shared
-        query_segments, key_segments = masking.segments
-        chunks["segments"] = _in_chunks(query_segments, 1, count, rows)  # (N, B, C)
-        shared["key_segments"] = key_segments  # (B, S)
-    for name, x in (("mask", masking.mask), ("bias", masking.bias)):
-        if x is not None and x.shape[2] != 1:  # per query row: chunked too
-            chunks[name] = _in_chunks(x, 2, count, rows)  # (N, B, H|1, C, S)
-        elif x is not None:
-            shared[name] = x
-    if masking.is_causal or masking.band:  # each chunk's first row
-        chunks["offset"] = ops.arange(0, count * rows, rows, dtype="int32")
-    return chunks, shared
-
-
 def _forward(chunks, all_shared, all_key, all_value, options, window=None):
     """Each chunk's output `(N, B, C, H, Dv)` and its rows' log-sum-exp of the
-    logits `(N, B, H, C, 1)`; `window`: the keys each computes (`_windowed`)."""
+    logits `(N, B, H, C, 1)`; `window`: the keys each computes (`blocks.windowed`)."""
     value = all_value
 
     def step(previous, index):
         chunk = {name: ops.take(x, index, axis=0) for name, x in chunks.items()}
-        chunk, shared, key, value = _windowed(
+        chunk, shared, key, value = blocks.windowed(
             chunk, all_shared, all_key, all_value, window, options
         )
         logits, _, has_key = _logits(chunk, shared, key, options)  # (B, H, C, S)
@@ -255,17 +232,17 @@ def _backward(
         chunks, shared, key, value, output, log_sum, upstream
     )
     if windows is None:  # one loop, the bias's gradient too
-        view = _groups(chunks, None, masking)[0][1]
+        view = blocks.chunk_groups(chunks, None, masking)[0][1]
         sums = _backward_loop(chunks, shared, (key, value), options, view, sums)
         rows = sums.pop("rows")
     else:  # a loop per group, the gradients of the keys carried through
         chunks = {**chunks, "rows": sums.pop("rows")}
         parts = []
-        for group, window in _groups(chunks, windows, masking):
+        for group, window in blocks.chunk_groups(chunks, windows, masking):
             sums["rows"] = group.pop("rows")
             sums = _backward_loop(group, shared, (key, value), options, window, sums)
             parts.append(sums.pop("rows"))
-        rows = _stacked(parts)
+        rows = stacked(parts)
     sums["query"] = rows[..., :width]
     if options.sink_logits is not None:
         sums["sink_logits"] = _sink_gradient(options.sink_logits, log_sum, chunks)
@@ -274,7 +251,7 @@ def _backward(
 
 def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
     """`sums` with the gradients of `chunks` added, one chunk after the
-    other, each over the keys of `window` (`_windowed`)."""
+    other, each over the keys of `window` (`blocks.windowed`)."""
     width = sums["rows"].shape[-1] - sums["value"].shape[-1]
     per_row = "bias" in chunks
     chunks = {name: x for name, x in chunks.items() if name != "bias"}
@@ -285,7 +262,7 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
         chunk["query"], chunk["upstream"] = rows[..., :width], rows[..., width:]
         if per_row:
             chunk["bias"] = ops.take(sums["bias"], index, axis=0)
-        chunk, shared, key, value = _windowed(
+        chunk, shared, key, value = blocks.windowed(
             chunk, all_shared, *keys_values, window, options
         )
         grads = _chunk_gradients(chunk, shared, key, value, options)
@@ -294,14 +271,14 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
         )
         sums = {
             **sums,
-            "rows": _put(sums["rows"], index, rows),
+            "rows": put(sums["rows"], index, rows),
             **{
                 name: blocks.add_keys(sums[name], grads[name], chunk, window, options)
                 for name in ("key", "value")
             },
         }
         if per_row:
-            sums["bias"] = _put(sums["bias"], index, grads["bias"])
+            sums["bias"] = put(sums["bias"], index, grads["bias"])
         elif "bias" in sums:
             sums["bias"] = sums["bias"] + grads["bias"]
         return sums
@@ -403,88 +380,3 @@ def _mask(chunk, shared):
     return merge_attention_masks(
         mask, same_segment(chunk["segments"], shared["key_segments"])
     )
-
-
-class View(NamedTuple):
-    """The keys a loop's chunks compute: the first `sinks`, then `width`
-    from each chunk's start (`None`: all keys), and the masks by position
-    each builds: causal, and a `blocks.KeyBand` or `None`."""
-
-    width: Any
-    sinks: int
-    is_causal: bool
-    band: Any
-
-
-def _groups(chunks, windows, masking):
-    """`[(chunks, View)]`: the chunks of each group of `windows` (a
-    `blocks.KeyWindows`, or `None`: all chunks over all keys), with the
-    start of each chunk's window, and the keys they compute."""
-    if windows is None:
-        return [(chunks, View(None, 0, masking.is_causal, masking.band))]
-    groups = []
-    for first, end, width in windows.groups:
-        group = {name: x[first:end] for name, x in chunks.items()}
-        starts = np.asarray(windows.starts[first:end], dtype="int32")
-        group["start"] = ops.convert_to_tensor(starts)
-        view = View(width, windows.sinks, masking.is_causal, masking.band)
-        groups.append((group, view))
-    return groups
-
-
-def _windowed(chunk, shared, key, value, view, options):
-    """`(chunk, shared, key, value)` over the keys of `view` (a `View`):
-    the first `sinks` keys, then `width` from `chunk["start"]`, their masks
-    and segments too; the masks by position built from the keys' positions
-    (`chunk["causal"]`)."""
-    axis = 2 if options.heads_major else 1
-    chunk = dict(chunk)
-    if view.width is None:
-        keys = ops.arange(0, ops.shape(key)[axis], dtype="int32")
-    else:
-        start, window = chunk["start"], (view.width, view.sinks)
-        key, value = (blocks.keys_of(x, axis, start, window) for x in (key, value))
-        shared = {n: blocks.keys_of(x, -1, start, window) for n, x in shared.items()}
-        if "mask" in chunk:
-            chunk["mask"] = blocks.keys_of(chunk["mask"], -1, start, window)
-        keys = ops.arange(0, view.width, dtype="int32") + start
-        keys = ops.concatenate([ops.arange(0, view.sinks, dtype="int32"), keys])
-    if "offset" in chunk:  # (C, sinks + width)
-        queries = chunk.pop("offset") + ops.arange(
-            0, ops.shape(chunk["query"])[1], dtype="int32"
-        )
-        chunk["causal"] = blocks.by_position(queries, keys, view)
-    return chunk, shared, key, value
-
-
-def _stacked(parts):
-    """The groups' stacks `(N_g, ...)` as one `(N, ...)` (one as it is)."""
-    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
-
-
-def _put(stack, index, x):
-    """`stack` `(N, ...)` with `x` at `index`."""
-    return ops.scatter_update(stack, ops.reshape(index, (1, 1)), x[None])
-
-
-def _joined(chunks, length, axis=1):
-    """The inverse of `_in_chunks`: `(N, ..., C, ...)` chunks joined on
-    `axis`, the padding cut off."""
-    shape = list(ops.shape(chunks))
-    joined = ops.moveaxis(chunks, 0, axis)  # (..., N, C, ...)
-    joined = ops.reshape(
-        joined, shape[1 : axis + 1] + [shape[0] * shape[axis + 1]] + shape[axis + 2 :]
-    )
-    return joined[(slice(None),) * axis + (slice(0, length),)]
-
-
-def _in_chunks(x, axis, count, rows):
-    """`x` with `axis` padded to `count * rows` and split: `(count, ..., rows, ...)`."""
-    padding = [(0, 0)] * len(x.shape)
-    padding[axis] = (0, count * rows - ops.shape(x)[axis])
-    x = ops.pad(
-        x, padding, constant_values=keras.backend.standardize_dtype(x.dtype) == "bool"
-    )
-    shape = list(ops.shape(x))
-    x = ops.reshape(x, shape[:axis] + [count, rows] + shape[axis + 1 :])
-    return ops.moveaxis(x, axis, 0)
