@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 
 import keras_attn
-from keras_attn.ops.kernels import blocks
-from tests.helpers.backend import compiled_value_and_gradients, to_numpy
+from keras_attn.ops import plan
+from keras_attn.ops.kernels import blocks, chunked
+from tests.helpers.backend import (
+    compiled_value_and_gradients,
+    to_numpy,
+    value_and_gradients,
+)
 from tests.helpers.builders import random_floats
 from tests.helpers.doubles import count_key_widths
 
@@ -65,22 +70,14 @@ def test_causal_groups_visit_little_more_than_the_triangle():
     assert blocks.key_windows(64, 64, 16, 4, False, None) is None
 
 
-@pytest.mark.parametrize(
-    "structure, heads_major", [("causal", True), ("causal window with sinks", False)]
-)
-def test_skipped_blocks_give_the_numbers_of_all_keys(
-    structure, heads_major, small_chunks, monkeypatch
-):
-    """A band by position (sliding window, sinks, causal; or causal with
-    heads-major keys and sink logits), with keys padded per row, compiled as
-    each backend trains: output and gradients of the query, keys and values
-    equal the materialized path's with the band as a numpy mask, and some
-    chunks computed fewer than 27 keys."""
-    is_causal, window, sinks = STRUCTURES[structure]
+def band_case(is_causal, window, sinks, heads_major):
+    """`(attend, reference, q, k, v)`: attention with a band by position
+    (sliding window, sinks, causal; or causal with heads-major keys and sink
+    logits) and keys padded per row, 27 rows, and the same with the band as
+    a numpy mask."""
     q = random_floats(2, 27, 4, 8, seed=1, scale=3.0)
     layout = (2, 2, 27) if heads_major else (2, 27, 2)
     k, v = random_floats(*layout, 8, seed=2), random_floats(*layout, 6, seed=3)
-    # Keys padded per row; the reference has the band as a numpy mask.
     padding = np.random.default_rng(5).random((2, 1, 1, 27)) > 0.2
     band = None if window is None else (window, sinks)
     sink_logits = random_floats(4, seed=6) if heads_major else None
@@ -95,6 +92,22 @@ def test_skipped_blocks_give_the_numbers_of_all_keys(
         band_mask = True if window is None else numpy_mask(27, 27, False, window, sinks)
         return attend(q, k, v, mask=padding & band_mask, band=None)
 
+    return attend, reference, q, k, v
+
+
+@pytest.mark.parametrize(
+    "structure, heads_major", [("causal", True), ("causal window with sinks", False)]
+)
+def test_skipped_blocks_give_the_numbers_of_all_keys(
+    structure, heads_major, small_chunks, monkeypatch
+):
+    """A band by position (sliding window, sinks, causal; or causal with
+    heads-major keys and sink logits), with keys padded per row, compiled as
+    each backend trains: output and gradients of the query, keys and values
+    equal the materialized path's with the band as a numpy mask, and some
+    chunks computed fewer than 27 keys."""
+    is_causal, window, sinks = STRUCTURES[structure]
+    attend, reference, q, k, v = band_case(is_causal, window, sinks, heads_major)
     widths = count_key_widths(monkeypatch)
     ours = compiled_value_and_gradients(attend, q, k, v)
     assert small_chunks.calls, "the chunked path did not run"
@@ -105,6 +118,59 @@ def test_skipped_blocks_give_the_numbers_of_all_keys(
         keras.tree.flatten(ours), keras.tree.flatten(reference), strict=True
     ):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["carried", "stacked"])
+@pytest.mark.parametrize(
+    "structure, heads_major", [("causal", True), ("causal window with sinks", False)]
+)
+def test_key_gradients_stacked_or_carried_give_the_same_numbers(
+    structure, heads_major, stacked, small_chunks, monkeypatch
+):
+    """Our own gradient (on PyTorch too: its `keras.remat` turned off), each
+    group's gradients of its keys either stacked and added by position after
+    the loop (`chunked._backward_stacked`) or carried through it, run
+    eagerly (on TensorFlow the kernels of a graph without XLA): equal to the
+    materialized path's, heads-major keys and sink logits included."""
+    monkeypatch.setattr(plan, "CHUNKS_REMATERIALIZED", ())
+    monkeypatch.setattr(chunked, "STACKED_KEYS", float("inf") if stacked else 0)
+    stacks = []
+    original = chunked._backward_stacked
+
+    def spy(*args):
+        stacks.append(args[1].shape)
+        return original(*args)
+
+    monkeypatch.setattr(chunked, "_backward_stacked", spy)
+    is_causal, window, sinks = STRUCTURES[structure]
+    attend, reference, q, k, v = band_case(is_causal, window, sinks, heads_major)
+    ours = value_and_gradients(attend, q, k, v)
+    assert small_chunks.calls and bool(stacks) == stacked, stacks
+    small_chunks()
+    expected = value_and_gradients(reference, q, k, v)
+    for a, b in zip(
+        keras.tree.flatten(ours), keras.tree.flatten(expected), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bands_stack_their_key_gradients_and_long_causal_groups_carry_them():
+    """The rule (`chunked.STACKED_KEYS`): each group of a sliding window of
+    256 at 16,384 tokens (64 chunks of 256 rows) stacks the gradients of its
+    keys; a causal call's widest groups carry them, as their stacks would
+    grow with the square of the length."""
+
+    def stacks(band):
+        windows = blocks.key_windows(16384, 16384, 64, 256, True, band)
+        return [
+            chunked._stacks_keys(
+                end - first, blocks.View(width, windows.sinks, True, band), 16384
+            )
+            for first, end, width in windows.groups
+        ]
+
+    assert all(stacks(blocks.KeyBand(256, 4)))
+    assert not all(stacks(None))
 
 
 def test_a_sliding_window_layer_skips_keys_and_keeps_its_numbers(

@@ -174,6 +174,26 @@ def add_keys(total, part, chunk, view, options):
     )
 
 
+def add_windows(total, stack, starts, view, options):
+    """`total` `(B, S, K, D)` (or heads-major) with `stack` `(N, ...)`: the
+    gradients of the keys `keys_of` took for `view` in each of `N` chunks
+    from its start in `starts` `(N,)`, added where they came from, in one
+    sum by position."""
+    axis = 2 if options.heads_major else 1
+    count = ops.shape(starts)[0]
+    positions = starts[:, None] + ops.arange(0, view.width, dtype="int32")[None]
+    if view.sinks:
+        first = ops.arange(0, view.sinks, dtype="int32")[None]
+        first = ops.broadcast_to(first, (count, view.sinks))
+        positions = ops.concatenate([first, positions], axis=1)
+    parts = ops.moveaxis(stack, axis + 1, 1)  # (N, sinks + width, ...)
+    parts = ops.reshape(parts, [-1, *ops.shape(parts)[2:]])
+    summed = ops.segment_sum(
+        parts, ops.reshape(positions, (-1,)), num_segments=total.shape[axis]
+    )
+    return total + ops.moveaxis(summed, 0, axis)
+
+
 class View(NamedTuple):
     """The keys a loop's chunks compute: the first `sinks`, then `width`
     from each chunk's start (`None`: all keys), and the masks by position

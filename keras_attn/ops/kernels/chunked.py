@@ -45,6 +45,15 @@ from keras_attn.ops.kernels.chunk_layout import (
 )
 from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
 
+# A group of chunks stacks its gradients of its windows of keys, rather than
+# adding them to the sums the loop carries, where the stack holds at most this
+# many times the keys (`_stacks_keys`). In a TensorFlow graph without XLA
+# each update of a carried tensor copies it, so carried sums cost chunks x
+# length: a sliding window's fwd+bwd at 16,384 tokens took 6.5x its time at
+# 4,096 (`benchmarks/block_skipping.py`). A causal group's windows grow with
+# the length, so it still carries its sums.
+STACKED_KEYS = 4
+
 
 class Masking(NamedTuple):
     """What masks a chunk's logits: the mask and bias (`None` or rank 4),
@@ -234,16 +243,26 @@ def _backward(
     if windows is None:  # one loop, the bias's gradient too
         view = blocks.chunk_groups(chunks, None, masking)[0][1]
         sums = _backward_loop(chunks, shared, (key, value), options, view, sums)
-        rows = sums.pop("rows")
-    else:  # a loop per group, the gradients of the keys carried through
+        rows = sums.pop("rows")[..., :width]
+    else:  # a loop per group, the keys' gradients carried through or stacked
         chunks = {**chunks, "rows": sums.pop("rows")}
         parts = []
         for group, window in blocks.chunk_groups(chunks, windows, masking):
-            sums["rows"] = group.pop("rows")
-            sums = _backward_loop(group, shared, (key, value), options, window, sums)
-            parts.append(sums.pop("rows"))
+            rows = group.pop("rows")
+            key_length = key.shape[2 if options.heads_major else 1]
+            if _stacks_keys(rows.shape[0], window, key_length):
+                sums, rows = _backward_stacked(
+                    group, rows, shared, (key, value), options, window, sums
+                )
+            else:
+                sums["rows"] = rows
+                sums = _backward_loop(
+                    group, shared, (key, value), options, window, sums
+                )
+                rows = sums.pop("rows")
+            parts.append(rows[..., :width])
         rows = stacked(parts)
-    sums["query"] = rows[..., :width]
+    sums["query"] = rows
     if options.sink_logits is not None:
         sums["sink_logits"] = _sink_gradient(options.sink_logits, log_sum, chunks)
     return sums
@@ -284,6 +303,51 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
         return sums
 
     return ops.fori_loop(0, ops.shape(sums["rows"])[0], step, sums)
+
+
+def _stacks_keys(count, view, key_length):
+    """Whether a group of `count` chunks over the keys of `view` (a
+    `blocks.View`) stacks its gradients of the keys (`_backward_stacked`):
+    where its windows hold at most `STACKED_KEYS` times the `key_length`
+    keys, e.g. a sliding window's band."""
+    if view.width is None:
+        return False
+    return count * (view.sinks + view.width) <= STACKED_KEYS * key_length
+
+
+def _backward_stacked(chunks, rows, all_shared, keys_values, options, view, sums):
+    """`_backward_loop` for a group whose windows `_stacks_keys`: the loop
+    carries nothing. Each chunk's gradients of its rows `rows` (query and
+    upstream gradient) and of its window of keys are stacked (`ops.scan`),
+    and the keys' added to `sums` after the loop, in one sum by position.
+    Returns `(sums, the rows' gradients (N, B, C, H, D))`."""
+    width = rows.shape[-1] - sums["value"].shape[-1]
+    axis = 2 if options.heads_major else 1
+
+    def step(previous, index):
+        chunk = {name: ops.take(x, index, axis=0) for name, x in chunks.items()}
+        own = ops.take(rows, index, axis=0)
+        chunk["query"], chunk["upstream"] = own[..., :width], own[..., width:]
+        chunk, shared, key, value = blocks.windowed(
+            chunk, all_shared, *keys_values, view, options
+        )
+        grads = _chunk_gradients(chunk, shared, key, value, options)
+        grads = {name: ops.cast(grads[name], rows.dtype) for name in first}
+        return grads, grads
+
+    # Keras' TensorFlow scan stacks outputs shaped like its carry (unused).
+    first = {"query": ops.zeros((*ops.shape(rows)[1:-1], width), rows.dtype)}
+    for name, x in zip(("key", "value"), keys_values, strict=True):
+        shape = list(ops.shape(x))
+        shape[axis] = view.sinks + view.width
+        first[name] = ops.zeros(shape, rows.dtype)
+    count = ops.shape(rows)[0]
+    stack = ops.scan(step, first, ops.arange(count, dtype="int32"))[1]
+    for name in ("key", "value"):
+        sums[name] = blocks.add_windows(
+            sums[name], stack[name], chunks["start"], view, options
+        )
+    return sums, stack["query"]
 
 
 def _sink_gradient(sink_logits, log_sum, chunks):
