@@ -20,7 +20,10 @@ the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
 Where the masks by position hide keys from whole chunks (causal attention,
 a sliding window's band, `blocks.KeyBand`), each chunk computes only a
 window of keys (`blocks.key_windows`), forward and backward: the chunks go
-in a few loops, each with its own static window width.
+in a few loops, each with its own static window width. Where those windows
+are narrow (a band), the backward loop stacks each chunk's gradients of its
+keys and adds them after it (`_backward_stacked`); otherwise it carries the
+keys' gradients, summed.
 
 Sink logits (gpt-oss: a logit per head in each row's denominator) join each
 row's log-sum-exp `L`; the sink's weight `exp(s_h - L)` has no value, so its
