@@ -154,6 +154,42 @@ def test_key_gradients_stacked_or_carried_give_the_same_numbers(
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_causal_chunks_open_no_rows_and_keep_their_numbers(small_chunks, monkeypatch):
+    """Under a causal mask alone every row sees key 0, so the chunks open no
+    empty rows (`explicit.open_empty_rows`), the padded rows of the last
+    chunk included (27 rows in chunks of 4): output and gradients equal the
+    materialized path's, which opens them; with a key padding mask they are
+    opened."""
+    from keras_attn.ops.kernels import explicit
+
+    opened = []
+    original = explicit.open_empty_rows
+
+    def spy(mask):
+        opened.append(tuple(mask.shape))
+        return original(mask)
+
+    monkeypatch.setattr(explicit, "open_empty_rows", spy)
+    q, k, v = (random_floats(2, 27, 2, 8, seed=seed) for seed in (1, 2, 3))
+
+    def attend(q, k, v, mask=None):
+        return keras_attn.ops.attention.attend(
+            q, k, v, mask=mask, is_causal=True, flash_attention=False
+        )
+
+    ours = value_and_gradients(attend, q, k, v)
+    assert small_chunks.calls and not opened, opened
+    padding = np.arange(27)[None, None, None, :] < 20
+    value_and_gradients(lambda q, k, v: attend(q, k, v, mask=padding), q, k, v)
+    assert opened, "a key padding mask must open the rows it empties"
+    small_chunks()
+    expected = value_and_gradients(attend, q, k, v)
+    for a, b in zip(
+        keras.tree.flatten(ours), keras.tree.flatten(expected), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_bands_stack_their_key_gradients_and_long_causal_groups_carry_them():
     """The rule (`chunked.STACKED_KEYS`): each group of a sliding window of
     256 at 16,384 tokens (64 chunks of 256 rows) stacks the gradients of its

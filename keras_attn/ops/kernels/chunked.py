@@ -179,7 +179,8 @@ def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
             own = dataclasses.replace(options, sink_logits=given.get("sink_logits"))
             return explicit.attention(
                 query, key, value, _mask(given, given), given.get("bias"),
-                given.get("offset"), own,
+                given.get("offset"), own, _rows_have_keys(given, given, window),
+                weights=False,
             )[0]  # fmt: skip
 
         tensors = dict(extra)
@@ -192,7 +193,7 @@ def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
     return step
 
 
-def _forward(chunks, all_shared, all_key, all_value, options, window=None):
+def _forward(chunks, all_shared, all_key, all_value, options, window):
     """Each chunk's output `(N, B, C, H, Dv)` and its rows' log-sum-exp of the
     logits `(N, B, H, C, 1)`; `window`: the keys each computes (`blocks.windowed`)."""
     value = all_value
@@ -202,7 +203,7 @@ def _forward(chunks, all_shared, all_key, all_value, options, window=None):
         chunk, shared, key, value = blocks.windowed(
             chunk, all_shared, all_key, all_value, window, options
         )
-        logits, _, has_key = _logits(chunk, shared, key, options)  # (B, H, C, S)
+        logits, _, has_key = _logits(chunk, shared, key, options, window)
         if options.sink_logits is not None:  # a last key, dropped after
             logits = explicit.with_sinks(logits, options.sink_logits)
         top = ops.max(logits, axis=-1, keepdims=True)
@@ -287,7 +288,7 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
         chunk, shared, key, value = blocks.windowed(
             chunk, all_shared, *keys_values, window, options
         )
-        grads = _chunk_gradients(chunk, shared, key, value, options)
+        grads = _chunk_gradients(chunk, shared, key, value, options, window)
         rows = ops.concatenate(
             [grads["query"], ops.zeros_like(chunk["upstream"])], axis=-1
         )
@@ -334,7 +335,7 @@ def _backward_stacked(chunks, rows, all_shared, keys_values, options, view, sums
         chunk, shared, key, value = blocks.windowed(
             chunk, all_shared, *keys_values, view, options
         )
-        grads = _chunk_gradients(chunk, shared, key, value, options)
+        grads = _chunk_gradients(chunk, shared, key, value, options, view)
         grads = {name: ops.cast(grads[name], rows.dtype) for name in first}
         return grads, grads
 
@@ -389,10 +390,11 @@ def _backward_start(chunks, shared, key, value, output, log_sum, upstream):
     return {**rest, "log_sum": log_sum, "delta": delta}, sums
 
 
-def _chunk_gradients(chunk, shared, key, value, options):
-    """One chunk's share of the gradients (FlashAttention's backward pass)."""
+def _chunk_gradients(chunk, shared, key, value, options, view):
+    """One chunk's share of the gradients (FlashAttention's backward pass)
+    over the keys of `view`."""
     wide = chunk["log_sum"].dtype
-    logits, capped, has_key = _logits(chunk, shared, key, options)
+    logits, capped, has_key = _logits(chunk, shared, key, options, view)
     probs = ops.exp(logits - chunk["log_sum"])  # (B, H, C, S)
     upstream = zero_empty_rows(chunk["upstream"], None, has_key)[0]  # (B, C, H, Dv)
     heads = key.shape[1 if options.heads_major else 2]
@@ -423,17 +425,29 @@ def _chunk_gradients(chunk, shared, key, value, options):
     return grads
 
 
-def _logits(chunk, shared, key, options):
-    """A chunk's masked logits `(B, H, C, S)`, its soft-capped scores before
-    the bias, and which rows have a key `(B, 1|H, C, 1)` (`None`: all)."""
+def _logits(chunk, shared, key, options, view):
+    """A chunk's masked logits `(B, H, C, S)` over the keys of `view`, its
+    soft-capped scores before the bias, and which rows have a key
+    `(B, 1|H, C, 1)` (`None`: all)."""
     query = chunk["query"]
     bias = chunk.get("bias", shared.get("bias"))
+    keyed = _rows_have_keys(chunk, shared, view)
     mask, has_key = explicit.visible(
-        _mask(chunk, shared), chunk.get("offset"), query, key, options
+        _mask(chunk, shared), chunk.get("offset"), query, key, options, keyed
     )
     capped = explicit.soft_cap(explicit.scores(query, key, options), options)
     logits = capped if bias is None else capped + ops.cast(bias, capped.dtype)
     return explicit.masked(logits, mask), capped, has_key
+
+
+def _rows_have_keys(chunk, shared, view):
+    """Whether the masks leave every row of a chunk over the keys of `view`
+    a key: under a causal mask alone row `i` sees key 0, and a causal
+    chunk's keys start at key 0 (`blocks.key_windows`). Then no row is
+    opened (`explicit.visible`), which saves passes over the mask and the
+    output."""
+    masks = {"mask", "segments"} & {*chunk, *shared}
+    return view.is_causal and view.band is None and not masks
 
 
 def _mask(chunk, shared):

@@ -18,23 +18,29 @@ from keras_attn.ops.masks import (
 )
 
 
-def attention(query, key, value, mask, bias, causal_offset, options):
+def attention(
+    query, key, value, mask, bias, causal_offset, options, rows_have_keys=False,
+    weights=True,
+):  # fmt: skip
     """The explicit path for query rows at `causal_offset` (`None`: not causal).
 
     `query` `(B, T, H, D)` is already scaled; `key`, `value` `(B, S, K, D)`,
     or `(B, K, S, D)` with `options.heads_major`. Returns `(output (B, T, H,
     Dv), weights (B, H, T, S))`; rows whose mask allows no key give zeros.
+    `rows_have_keys`: as `visible` takes it. `weights=False`: the weights
+    are not wanted (`None`), so not zeroed in empty rows either.
     """
-    mask, has_key = visible(mask, causal_offset, query, key, options)
+    mask, has_key = visible(mask, causal_offset, query, key, options, rows_have_keys)
     output, probs = _weights_and_output(query, key, value, mask, bias, options)
-    return zero_empty_rows(output, probs, has_key)
+    return zero_empty_rows(output, probs if weights else None, has_key)
 
 
-def visible(mask, causal_offset, query, key, options):
+def visible(mask, causal_offset, query, key, options, rows_have_keys=False):
     """`(mask, rows_with_any_key)`: the causal mask for rows at
     `causal_offset` (`None`: not causal) folded into `mask`, so that empty rows
     are found, and those rows opened (`open_empty_rows`); `(None, None)`
-    where nothing masks."""
+    where nothing masks. `rows_have_keys=True`: the caller knows the mask
+    leaves every row a key, so none is opened (`(mask, None)`)."""
     if causal_offset is not None:
         length = ops.shape(query)[1]
         key_length = ops.shape(key)[2 if options.heads_major else 1]
@@ -43,7 +49,7 @@ def visible(mask, causal_offset, query, key, options):
         )
     if mask is None:
         return None, None
-    return open_empty_rows(mask)
+    return (mask, None) if rows_have_keys else open_empty_rows(mask)
 
 
 def _weights_and_output(query, key, value, mask, bias, options):
@@ -171,11 +177,21 @@ def with_sinks(logits, sink_logits):
 
 
 def masked(logits, mask):
-    """`logits` with the dtype's lowest number where `mask` is False."""
+    """`logits` with the dtype's lowest number added where `mask` is False.
+
+    A masked logit is then that number (or minus infinity below it), whose
+    weight is 0 either way. Added, not put with a `where` over the logits:
+    the bias is built on the mask, which is smaller where it broadcasts, and
+    the sum's gradient costs nothing, where a `where` costs a pass over the
+    logits forward, again in a recomputed chunk and in its gradient (on eager
+    PyTorch, 26% of a causal call in chunks; `benchmarks/block_skipping.py`).
+    As in Keras' `Softmax` and PyTorch's SDPA, which add their masks too, a
+    NaN or infinite logit stays so where it is masked.
+    """
     if mask is None:
         return logits
     lowest = np.finfo(keras.backend.standardize_dtype(logits.dtype)).min
-    return ops.where(mask, logits, lowest)
+    return logits + ops.cast(ops.where(mask, 0.0, lowest), logits.dtype)
 
 
 def _softmax(logits):
