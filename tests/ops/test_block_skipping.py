@@ -8,7 +8,7 @@ import pytest
 
 import keras_attn
 from keras_attn.ops import plan
-from keras_attn.ops.kernels import blocks, chunked
+from keras_attn.ops.kernels import blocks, chunked, explicit
 from tests.helpers.backend import (
     compiled_value_and_gradients,
     to_numpy,
@@ -122,8 +122,10 @@ def test_skipped_blocks_give_the_numbers_of_all_keys(
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["carried", "stacked"])
 @pytest.mark.parametrize(
-    "structure, heads_major", [("causal", True), ("causal window with sinks", False)]
-)
+    "structure, heads_major",
+    [("causal", True), ("causal window with sinks", False),
+     ("causal window with sinks", True)],
+)  # fmt: skip
 def test_key_gradients_stacked_or_carried_give_the_same_numbers(
     structure, heads_major, stacked, small_chunks, monkeypatch
 ):
@@ -160,8 +162,6 @@ def test_causal_chunks_open_no_rows_and_keep_their_numbers(small_chunks, monkeyp
     chunk included (27 rows in chunks of 4): output and gradients equal the
     materialized path's, which opens them; with a key padding mask they are
     opened."""
-    from keras_attn.ops.kernels import explicit
-
     opened = []
     original = explicit.open_empty_rows
 
@@ -200,13 +200,27 @@ def test_bands_stack_their_key_gradients_and_long_causal_groups_carry_them():
         windows = blocks.key_windows(16384, 16384, 64, 256, True, band)
         return [
             chunked._stacks_keys(
-                end - first, blocks.View(width, windows.sinks, True, band), 16384
+                end - first,
+                blocks.View(width, windows.sinks, True, band),
+                16384,
+                "float32",
             )
             for first, end, width in windows.groups
         ]
 
     assert all(stacks(blocks.KeyBand(256, 4)))
-    assert not all(stacks(None))
+    causal = stacks(None)
+    assert any(causal) and not causal[-1], causal  # the widest is the last
+
+
+def test_causal_windows_start_at_key_0():
+    """What `chunked._rows_have_keys` relies on: under a causal mask alone
+    every chunk's window of keys starts at key 0 (so each row, padded rows
+    included, sees a key), with fewer, as many and more keys than rows."""
+    for length, key_length in ((27, 19), (27, 27), (27, 40), (300, 300)):
+        count = -(-length // 4)
+        windows = blocks.key_windows(length, key_length, count, 4, True, None)
+        assert windows is None or set(windows.starts) == {0}, windows
 
 
 def test_a_sliding_window_layer_skips_keys_and_keeps_its_numbers(

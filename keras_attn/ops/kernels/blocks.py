@@ -2,7 +2,7 @@
 call is traced: the block structure of the chunked path (`key_windows`),
 the loops it makes of the chunks (`chunk_groups`), and how a chunk takes its
 window of keys (`windowed`, `keys_of`, `by_position`) and gives back their
-gradient (`add_keys`).
+gradient (`add_keys` in a loop, `add_windows` after it).
 
 A chunk of rows `[a, b)` can see only keys in one range (and the attention
 sinks): causal attention ends it at `b` (key `j <= i`), a sliding window

@@ -20,10 +20,10 @@ the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
 Where the masks by position hide keys from whole chunks (causal attention,
 a sliding window's band, `blocks.KeyBand`), each chunk computes only a
 window of keys (`blocks.key_windows`), forward and backward: the chunks go
-in a few loops, each with its own static window width. Where those windows
-are narrow (a band), the backward loop stacks each chunk's gradients of its
-keys and adds them after it (`_backward_stacked`); otherwise it carries the
-keys' gradients, summed.
+in a few loops, each with its own static window width. Where a group's windows hold
+few keys (a band's, a causal call's narrower groups), the backward loop
+stacks each chunk's gradients of its keys and adds them after it
+(`_backward_stacked`); otherwise it carries the keys' gradients, summed.
 
 Sink logits (gpt-oss: a logit per head in each row's denominator) join each
 row's log-sum-exp `L`; the sink's weight `exp(s_h - L)` has no value, so its
@@ -53,8 +53,8 @@ from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty
 # many times the keys (`_stacks_keys`). In a TensorFlow graph without XLA
 # each update of a carried tensor copies it, so carried sums cost chunks x
 # length: a sliding window's fwd+bwd at 16,384 tokens took 6.5x its time at
-# 4,096 (`benchmarks/block_skipping.py`). A causal group's windows grow with
-# the length, so it still carries its sums.
+# 4,096 (`benchmarks/block_skipping.py`). A causal call's widest groups
+# would stack about the square of the length, so they still carry theirs.
 STACKED_KEYS = 4
 
 
@@ -180,7 +180,7 @@ def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
             return explicit.attention(
                 query, key, value, _mask(given, given), given.get("bias"),
                 given.get("offset"), own, _rows_have_keys(given, given, window),
-                weights=False,
+                keep_weights=False,
             )[0]  # fmt: skip
 
         tensors = dict(extra)
@@ -251,10 +251,10 @@ def _backward(
     else:  # a loop per group, the keys' gradients carried through or stacked
         chunks = {**chunks, "rows": sums.pop("rows")}
         parts = []
+        key_length = key.shape[2 if options.heads_major else 1]
         for group, window in blocks.chunk_groups(chunks, windows, masking):
             rows = group.pop("rows")
-            key_length = key.shape[2 if options.heads_major else 1]
-            if _stacks_keys(rows.shape[0], window, key_length):
+            if _stacks_keys(rows.shape[0], window, key_length, rows.dtype):
                 sums, rows = _backward_stacked(
                     group, rows, shared, (key, value), options, window, sums
                 )
@@ -309,12 +309,14 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
     return ops.fori_loop(0, ops.shape(sums["rows"])[0], step, sums)
 
 
-def _stacks_keys(count, view, key_length):
+def _stacks_keys(count, view, key_length, dtype):
     """Whether a group of `count` chunks over the keys of `view` (a
     `blocks.View`) stacks its gradients of the keys (`_backward_stacked`):
     where its windows hold at most `STACKED_KEYS` times the `key_length`
-    keys, e.g. a sliding window's band."""
-    if view.width is None:
+    keys, e.g. a sliding window's band, and the gradients (in `dtype`) are
+    float32: Keras' PyTorch `segment_sum` adds in float32 (3.15.1), which
+    would round float64 gradients."""
+    if view.width is None or keras.backend.standardize_dtype(dtype) != "float32":
         return False
     return count * (view.sinks + view.width) <= STACKED_KEYS * key_length
 
@@ -347,11 +349,13 @@ def _backward_stacked(chunks, rows, all_shared, keys_values, options, view, sums
         first[name] = ops.zeros(shape, rows.dtype)
     count = ops.shape(rows)[0]
     stack = ops.scan(step, first, ops.arange(count, dtype="int32"))[1]
-    for name in ("key", "value"):
-        sums[name] = blocks.add_windows(
+    added = {
+        name: blocks.add_windows(
             sums[name], stack[name], chunks["start"], view, options
         )
-    return sums, stack["query"]
+        for name in ("key", "value")
+    }
+    return {**sums, **added}, stack["query"]
 
 
 def _sink_gradient(sink_logits, log_sum, chunks):

@@ -20,19 +20,19 @@ from keras_attn.ops.masks import (
 
 def attention(
     query, key, value, mask, bias, causal_offset, options, rows_have_keys=False,
-    weights=True,
+    keep_weights=True,
 ):  # fmt: skip
     """The explicit path for query rows at `causal_offset` (`None`: not causal).
 
     `query` `(B, T, H, D)` is already scaled; `key`, `value` `(B, S, K, D)`,
     or `(B, K, S, D)` with `options.heads_major`. Returns `(output (B, T, H,
     Dv), weights (B, H, T, S))`; rows whose mask allows no key give zeros.
-    `rows_have_keys`: as `visible` takes it. `weights=False`: the weights
-    are not wanted (`None`), so not zeroed in empty rows either.
+    `rows_have_keys`: as `visible` takes it. `keep_weights=False`: the
+    weights are not wanted (`None`), so not zeroed in empty rows either.
     """
     mask, has_key = visible(mask, causal_offset, query, key, options, rows_have_keys)
     output, probs = _weights_and_output(query, key, value, mask, bias, options)
-    return zero_empty_rows(output, probs if weights else None, has_key)
+    return zero_empty_rows(output, probs if keep_weights else None, has_key)
 
 
 def visible(mask, causal_offset, query, key, options, rows_have_keys=False):
@@ -186,12 +186,15 @@ def masked(logits, mask):
     logits forward, again in a recomputed chunk and in its gradient (on eager
     PyTorch, 26% of a causal call in chunks; `benchmarks/block_skipping.py`).
     As in Keras' `Softmax` and PyTorch's SDPA, which add their masks too, a
-    NaN or infinite logit stays so where it is masked.
+    NaN or infinite logit where it is masked (a key of NaNs) now makes its
+    whole row NaN, where the `where` dropped it.
     """
     if mask is None:
         return logits
     lowest = np.finfo(keras.backend.standardize_dtype(logits.dtype)).min
-    return logits + ops.cast(ops.where(mask, 0.0, lowest), logits.dtype)
+    # Built in the logits' dtype: `ops.where(mask, 0.0, lowest)` is float32 on
+    # PyTorch, where float64's lowest number becomes minus infinity.
+    return logits + ops.cast(ops.logical_not(mask), logits.dtype) * lowest
 
 
 def _softmax(logits):
