@@ -244,29 +244,23 @@ def _backward(
     chunks, sums = _backward_start(
         chunks, shared, key, value, output, log_sum, upstream
     )
-    if windows is None:  # one loop, the bias's gradient too
-        view = blocks.chunk_groups(chunks, None, masking)[0][1]
-        sums = _backward_loop(chunks, shared, (key, value), options, view, sums)
-        rows = sums.pop("rows")[..., :width]
-    else:  # a loop per group, the keys' gradients carried through or stacked
-        chunks = {**chunks, "rows": sums.pop("rows")}
-        parts = []
-        key_length = key.shape[2 if options.heads_major else 1]
-        for group, window in blocks.chunk_groups(chunks, windows, masking):
-            rows = group.pop("rows")
-            if _stacks_keys(rows.shape[0], window, key_length, rows.dtype):
-                sums, rows = _backward_stacked(
-                    group, rows, shared, (key, value), options, window, sums
-                )
-            else:
-                sums["rows"] = rows
-                sums = _backward_loop(
-                    group, shared, (key, value), options, window, sums
-                )
-                rows = sums.pop("rows")
-            parts.append(rows[..., :width])
-        rows = stacked(parts)
-    sums["query"] = rows
+    # A loop per group (one without windows, the bias's gradient too), the
+    # keys' gradients carried through or stacked.
+    chunks = {**chunks, "rows": sums.pop("rows")}
+    parts = []
+    key_length = key.shape[2 if options.heads_major else 1]
+    for group, window in blocks.chunk_groups(chunks, windows, masking):
+        rows = group.pop("rows")
+        if _stacks_keys(rows.shape[0], window, key_length, rows.dtype):
+            sums, rows = _backward_stacked(
+                group, rows, shared, (key, value), options, window, sums
+            )
+        else:
+            sums["rows"] = rows
+            sums = _backward_loop(group, shared, (key, value), options, window, sums)
+            rows = sums.pop("rows")
+        parts.append(rows[..., :width])
+    sums["query"] = stacked(parts)
     if options.sink_logits is not None:
         sums["sink_logits"] = _sink_gradient(options.sink_logits, log_sum, chunks)
     return sums
@@ -275,20 +269,17 @@ def _backward(
 def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
     """`sums` with the gradients of `chunks` added, one chunk after the
     other, each over the keys of `window` (`blocks.windowed`)."""
-    width = sums["rows"].shape[-1] - sums["value"].shape[-1]
     per_row = "bias" in chunks
     chunks = {name: x for name, x in chunks.items() if name != "bias"}
 
     def step(index, sums):
         chunk = {name: ops.take(x, index, axis=0) for name, x in chunks.items()}
-        rows = ops.take(sums["rows"], index, axis=0)
-        chunk["query"], chunk["upstream"] = rows[..., :width], rows[..., width:]
         if per_row:
             chunk["bias"] = ops.take(sums["bias"], index, axis=0)
-        chunk, shared, key, value = blocks.windowed(
-            chunk, all_shared, *keys_values, window, options
+        rows = ops.take(sums["rows"], index, axis=0)
+        chunk, grads = _gradients_of(
+            chunk, rows, all_shared, keys_values, options, window
         )
-        grads = _chunk_gradients(chunk, shared, key, value, options, window)
         rows = ops.concatenate(
             [grads["query"], ops.zeros_like(chunk["upstream"])], axis=-1
         )
@@ -333,11 +324,7 @@ def _backward_stacked(chunks, rows, all_shared, keys_values, options, view, sums
     def step(previous, index):
         chunk = {name: ops.take(x, index, axis=0) for name, x in chunks.items()}
         own = ops.take(rows, index, axis=0)
-        chunk["query"], chunk["upstream"] = own[..., :width], own[..., width:]
-        chunk, shared, key, value = blocks.windowed(
-            chunk, all_shared, *keys_values, view, options
-        )
-        grads = _chunk_gradients(chunk, shared, key, value, options, view)
+        grads = _gradients_of(chunk, own, all_shared, keys_values, options, view)[1]
         grads = {name: ops.cast(grads[name], rows.dtype) for name in first}
         return grads, grads
 
@@ -356,6 +343,18 @@ def _backward_stacked(chunks, rows, all_shared, keys_values, options, view, sums
         for name in ("key", "value")
     }
     return {**sums, **added}, stack["query"]
+
+
+def _gradients_of(chunk, rows, all_shared, keys_values, options, view):
+    """`(chunk, gradients)`: one chunk's inputs over the keys of `view`
+    (`blocks.windowed`), its query and upstream gradient read from its
+    `rows` `(B, C, H, D + Dv)`, and its share of the gradients."""
+    width = rows.shape[-1] - keys_values[1].shape[-1]
+    chunk = {**chunk, "query": rows[..., :width], "upstream": rows[..., width:]}
+    chunk, shared, key, value = blocks.windowed(
+        chunk, all_shared, *keys_values, view, options
+    )
+    return chunk, _chunk_gradients(chunk, shared, key, value, options, view)
 
 
 def _sink_gradient(sink_logits, log_sum, chunks):
