@@ -15,6 +15,7 @@ from tests.helpers.backend import (
     value_and_gradients,
 )
 from tests.helpers.builders import random_floats
+from tests.helpers.contract import assert_outputs_close
 from tests.helpers.doubles import count_key_widths
 
 # (is_causal, window, sinks) with the numpy mask they stand for.
@@ -114,10 +115,7 @@ def test_skipped_blocks_give_the_numbers_of_all_keys(
     assert widths and min(widths) < 27, widths
     small_chunks()
     reference = compiled_value_and_gradients(reference, q, k, v)
-    for a, b in zip(
-        keras.tree.flatten(ours), keras.tree.flatten(reference), strict=True
-    ):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert_outputs_close(ours, reference, tolerance=1e-5)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["carried", "stacked"])
@@ -150,10 +148,7 @@ def test_key_gradients_stacked_or_carried_give_the_same_numbers(
     assert small_chunks.calls and bool(stacks) == stacked, stacks
     small_chunks()
     expected = value_and_gradients(reference, q, k, v)
-    for a, b in zip(
-        keras.tree.flatten(ours), keras.tree.flatten(expected), strict=True
-    ):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert_outputs_close(ours, expected, tolerance=1e-5)
 
 
 def test_causal_chunks_open_no_rows_and_keep_their_numbers(small_chunks, monkeypatch):
@@ -184,10 +179,7 @@ def test_causal_chunks_open_no_rows_and_keep_their_numbers(small_chunks, monkeyp
     assert opened, "a key padding mask must open the rows it empties"
     small_chunks()
     expected = value_and_gradients(attend, q, k, v)
-    for a, b in zip(
-        keras.tree.flatten(ours), keras.tree.flatten(expected), strict=True
-    ):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert_outputs_close(ours, expected, tolerance=1e-5)
 
 
 def test_bands_stack_their_key_gradients_and_long_causal_groups_carry_them():
