@@ -34,9 +34,11 @@ format: $(BIN)/.installed
 # has WORKERS processes (pytest-xdist), a test file to each (its module
 # fixtures start their subprocesses once), one thread per process: the
 # suite's tensors are tiny, and two cores are better spent on two tests than
-# on one test's thread pools. XLA compiles without LLVM's optimizations: the
-# suite's programs are tiny and compiling them is most of the JAX run's time
-# (two layer-contract files: 63 s -> 46 s).
+# on one test's thread pools. XLA compiles without LLVM's optimizations, its
+# expensive passes or its MLIR fusion emitters: the suite's programs are tiny
+# and compiling them is most of the JAX run's time (two layer-contract files:
+# 63 s -> 46 s at level 0; forty small programs, 283 ms -> 156 ms a shape
+# with the other two; test_multi_head_attention.py, 155 s -> 122 s).
 # Inductor compiles in the test's own process, not in its pool of compile
 # workers: that pool is known to hang on CI machines after a cold start
 # (pytorch/pytorch#162199; AReaL's CI, areal-project/AReaL#701), and a CI
@@ -44,7 +46,8 @@ format: $(BIN)/.installed
 WORKERS ?= 2
 THREADS := OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
 	TORCHINDUCTOR_COMPILE_THREADS=1 \
-	XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
+	XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 \
+	--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 
 # Each run prints its slowest tests and how long it took: what to cut when
 # the suite nears its budget (20 minutes on a fresh clone).
