@@ -11,23 +11,23 @@ def _module_memory_freed():
     suite, and on JAX each grew to 6 GiB of programs nothing would call
     again, on a 24 GiB CI machine beside the multi-process tests."""
     yield
+    gc.unfreeze()  # first: what follows may raise
     keras.backend.clear_session(free_memory=False)
     if keras.backend.backend() == "jax":
         import jax
 
         jax.clear_caches()
-    gc.unfreeze()
     gc.collect()
 
 
 @pytest.fixture(autouse=True)
 def _collections_see_this_test_only():
     """The garbage collector skips what earlier tests of the module left
-    (`gc.freeze`; the module's end frees it): Keras runs a full collection
-    each time a layer drops a variable (`Layer.__delattr__`, in every
-    `quantize`), and with JAX's traces and compiled programs held in the
-    worker's heap each took 0.57 s (16 s of the 67 s of
-    test_multi_head_attention.py's three layer contracts)."""
+    (`gc.freeze`), so their cyclic garbage waits for the module's end:
+    Keras runs a full collection each time a layer drops a variable
+    (`Layer.__delattr__`, in every `quantize`), and over a worker's heap
+    (on JAX, traces and compiled programs) each took 0.57 s (16 s of the
+    67 s of test_multi_head_attention.py's three layer contracts on JAX)."""
     gc.freeze()
 
 
