@@ -219,11 +219,11 @@ def test_the_default_plan_sorts_in_eager_pytorch_only(monkeypatch):
     monkeypatch.setattr(torch_experts, "grouped_feedforward", spy)
     x, ids, scales, w = inputs(11, 2, "unbalanced")
     expected = numpy_reference(x, ids, scales, w)
-    compiled = torch.compile(
-        lambda *a: grouped_feedforward(*a, w, keras_hidden),
-        backend="eager",
-    )
-    for run in (lambda *a: grouped_feedforward(*a, w, keras_hidden), compiled):
+
+    def feedforward(*a):
+        return grouped_feedforward(*a, w, keras_hidden)
+
+    for run in (feedforward, torch.compile(feedforward, backend="eager")):
         out = run(*(torch_tensor(a) for a in (x, ids, scales)))
         np.testing.assert_allclose(to_numpy(out), expected, atol=1e-5, rtol=1e-5)
     assert sorted_calls == [False], sorted_calls
