@@ -4,6 +4,17 @@ import keras
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules that start subprocesses (`processes`) go first, each
+    module's tests kept together and in order: pytest-xdist hands whole
+    modules (`--dist loadfile`) to the workers in this order (the Makefile
+    turns off its own, by count of tests), and these are the longest
+    (the JAX multi-process module, about 160 s) and load both cores. Last,
+    one would leave a worker idle while the other runs it."""
+    heavy = {item.path for item in items if item.get_closest_marker("processes")}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _module_memory_freed():
     """Each test module's models, traces and compiled programs are freed
