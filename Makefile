@@ -33,21 +33,22 @@ format: $(BIN)/.installed
 # One pytest run per backend: KERAS_BACKEND is read once, at import. Each run
 # has WORKERS processes (pytest-xdist), a test file to each (its module
 # fixtures start their subprocesses once), in the order tests/conftest.py
-# gives them (the files that start subprocesses first; pytest-xdist's own
-# order, by count of tests, ran the JAX multi-process file last), one thread
-# per process: the suite's tensors are tiny, and two cores are better spent
-# on two tests than on one test's thread pools. XLA compiles without LLVM's
-# optimizations, its expensive passes or its MLIR fusion emitters: the
-# suite's programs are tiny and compiling them is most of the JAX run's time,
-# and TensorFlow's XLA reads the same flags (two layer-contract files:
-# 63 s -> 46 s at level 0; forty small programs, 283 ms -> 156 ms per shape
-# with the other two; test_multi_head_attention.py on JAX, 155 s -> 122 s
-# with the flags alone).
+# gives them (`--no-loadscope-reorder`: the files that start subprocesses
+# first; pytest-xdist's own order, by count of tests, ran the JAX
+# multi-process file last), one thread per process: the suite's tensors are
+# tiny, and two cores are better spent on two tests than on one test's
+# thread pools. XLA compiles without LLVM's optimizations, its expensive
+# passes or its MLIR fusion emitters: the suite's programs are tiny and
+# compiling them is most of the JAX run's time, and TensorFlow's XLA reads
+# the same flags (two layer-contract files: 63 s -> 46 s at level 0; forty
+# small programs, 283 ms -> 156 ms per shape with the other two;
+# test_multi_head_attention.py on JAX, 155 s -> 122 s with the flags alone).
 # Inductor compiles in the test's own process, not in its pool of compile
 # workers: that pool is known to hang on CI machines after a cold start
 # (pytorch/pytorch#162199; AReaL's CI, areal-project/AReaL#701), and a CI
 # run of ours ended at its time limit with the PyTorch run at 98%.
 WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 THREADS := OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
 	TORCHINDUCTOR_COMPILE_THREADS=1 \
 	XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 \
@@ -60,7 +61,7 @@ test: lint
 		echo "=== KERAS_BACKEND=$$backend ($$(( $$(date +%s) - begin )) s into the tests)"; \
 		start=$$(date +%s); \
 		KERAS_BACKEND=$$backend $(THREADS) $(BIN)/python -m pytest -q -p no:cacheprovider \
-			-n $(WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=15 \
+			$(XDIST) --durations=15 \
 			--doctest-modules keras_attn tests $(PYTEST_ARGS) || failed="$$failed $$backend"; \
 		echo "=== KERAS_BACKEND=$$backend took $$(( $$(date +%s) - start )) s"; \
 	done; \
@@ -96,7 +97,7 @@ test-compat: $(foreach v,$(COMPAT_KERAS) $(if $(KERAS_NIGHTLY),nightly),$(COMPAT
 		for backend in $(COMPAT_BACKENDS); do \
 			echo "=== Keras $$keras, KERAS_BACKEND=$$backend"; \
 			KERAS_BACKEND=$$backend $(THREADS) $(COMPAT)/$$keras/bin/python -m pytest -q \
-				-p no:cacheprovider -n $(WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
+				-p no:cacheprovider $(XDIST) \
 				$(COMPAT_TESTS) \
 				$(PYTEST_ARGS) || failed="$$failed $$keras/$$backend"; \
 		done; \
