@@ -55,16 +55,12 @@ def fused_calls(monkeypatch):
     """Records the key shapes the fused kernel receives (`kernels.fused`:
     Keras' op, or torch's own on PyTorch)."""
     from keras_attn.ops.kernels import fused
+    from tests.helpers.doubles import recorded
 
-    calls = []
-    original = fused._kernel
+    def key_shape(output, query, key, *args, **kwargs):
+        return tuple(key.shape)
 
-    def spy(query, key, value, *args, **kwargs):
-        calls.append(tuple(key.shape))
-        return original(query, key, value, *args, **kwargs)
-
-    monkeypatch.setattr(fused, "_kernel", spy)
-    return calls
+    return recorded(monkeypatch, fused, "_kernel", key_shape)
 
 
 @pytest.fixture
@@ -75,32 +71,27 @@ def sdpa_calls(monkeypatch):
     import torch
     from torch.nn import functional
 
-    calls = []
-    original = functional.scaled_dot_product_attention
+    from tests.helpers.doubles import recorded
 
-    def spy(query, key, value, **kwargs):
+    def arguments(output, query, key, value, **kwargs):
         backends = torch.backends.cuda
-        calls.append(
-            {
-                "query": tuple(query.shape),
-                "key": tuple(key.shape),
-                **kwargs,
-                "kernel": torch._fused_sdp_choice(query, key, value, **kwargs),
-                "pinned": not all(
-                    enabled()
-                    for enabled in (
-                        backends.flash_sdp_enabled,
-                        backends.mem_efficient_sdp_enabled,
-                        backends.cudnn_sdp_enabled,
-                        backends.math_sdp_enabled,
-                    )
-                ),
-            }
-        )
-        return original(query, key, value, **kwargs)
+        return {
+            "query": tuple(query.shape),
+            "key": tuple(key.shape),
+            **kwargs,
+            "kernel": torch._fused_sdp_choice(query, key, value, **kwargs),
+            "pinned": not all(
+                enabled()
+                for enabled in (
+                    backends.flash_sdp_enabled,
+                    backends.mem_efficient_sdp_enabled,
+                    backends.cudnn_sdp_enabled,
+                    backends.math_sdp_enabled,
+                )
+            ),
+        }
 
-    monkeypatch.setattr(functional, "scaled_dot_product_attention", spy)
-    return calls
+    return recorded(monkeypatch, functional, "scaled_dot_product_attention", arguments)
 
 
 @pytest.fixture
@@ -110,15 +101,12 @@ def small_chunks(monkeypatch):
     the chunked path in `.calls`."""
     from keras_attn.ops import plan
     from keras_attn.ops.kernels import chunked
+    from tests.helpers.doubles import recorded
 
-    calls = []
-    original = chunked.attention
+    def query_shape(output, query, *args, **kwargs):
+        return tuple(query.shape)
 
-    def spy(query, *args, **kwargs):
-        calls.append(tuple(query.shape))
-        return original(query, *args, **kwargs)
-
-    monkeypatch.setattr(chunked, "attention", spy)
+    calls = recorded(monkeypatch, chunked, "attention", query_shape)
     monkeypatch.setattr(plan, "CHUNKED_FROM", 1)
     monkeypatch.setattr(plan, "CHUNK_LOGITS", 1)
     monkeypatch.setattr(plan, "MIN_CHUNK_ROWS", 4)

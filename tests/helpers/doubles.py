@@ -6,6 +6,8 @@ install them."""
 import math
 import re
 
+import keras
+
 from keras_attn.ops import attention as attention_module
 
 
@@ -306,18 +308,35 @@ def largest_xla_array(traced, *args):
     return max(math.prod(int(n) for n in shape.split(",")) for shape in shapes)
 
 
+def recorded(monkeypatch, owner, name, note, calls=None):
+    """`owner.name` spied: each call runs as it would, and then
+    `note(result, *args, **kwargs)` is appended to `calls` (a new list by
+    default), which is returned."""
+    calls = [] if calls is None else calls
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append(note(result, *args, **kwargs))
+        return result
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
 def count_key_widths(monkeypatch):
-    """`explicit.scores`, spied: the key lengths of each chunk's logits as
-    traced (once per loop on JAX and TensorFlow, once per chunk on PyTorch)."""
+    """The products that make logits, spied: the key lengths of each
+    chunk's logits as traced (once per loop on JAX and TensorFlow, once per
+    chunk on PyTorch). `explicit.scores`, and on PyTorch also
+    `torch_logits.masked_logits`, which adds the masks in the product."""
     from keras_attn.ops.kernels import explicit
 
-    widths = []
-    original = explicit.scores
+    def width(logits, *args):
+        return logits.shape[-1]
 
-    def spy(query, key, options):
-        out = original(query, key, options)
-        widths.append(out.shape[-1])
-        return out
+    widths = recorded(monkeypatch, explicit, "scores", width)
+    if keras.config.backend() == "torch":
+        from keras_attn.ops.kernels import torch_logits
 
-    monkeypatch.setattr(explicit, "scores", spy)
+        recorded(monkeypatch, torch_logits, "masked_logits", width, widths)
     return widths

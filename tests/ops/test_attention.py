@@ -18,6 +18,7 @@ from tests.helpers.backend import (
     value_and_gradients,
 )
 from tests.helpers.builders import random_floats
+from tests.helpers.doubles import recorded
 from tests.helpers.references import dot_product_reference
 
 
@@ -39,6 +40,58 @@ def test_soft_capped_attention_matches_the_formula():
         attn_ops.dot_product_attention(
             q, k, v, flash_attention=True, logit_soft_cap=2.0
         )
+
+
+@pytest.mark.parametrize(
+    "heads_major, kv_heads, mask_shape",
+    [
+        (False, 4, (3, 5)),  # broadcast over batch and heads: a view
+        (True, 2, (2, 1, 1, 5)),  # per batch row: a copy
+        (False, 1, (2, 4, 3, 5)),
+    ],
+)
+def test_masked_logits_are_the_product_then_the_bias_and_the_mask(
+    heads_major, kv_heads, mask_shape, monkeypatch
+):
+    """`explicit.masked_logits` (on PyTorch one `baddbmm`, the masks added
+    in the product) equals the product, then the bias, then the mask added,
+    and so do its gradients: grouped and heads-major keys, masks that
+    broadcast (float64: `test_float64_attention_is_computed_in_float64`)."""
+    from keras_attn.ops.kernels import explicit
+    from keras_attn.ops.kernels.options import KernelOptions
+
+    q = random_floats(2, 3, 4, 8)
+    k = random_floats(*((2, kv_heads, 5) if heads_major else (2, 5, kv_heads)), 8)
+    bias = random_floats(1, 4, 3, 5, seed=2)
+    mask = np.random.default_rng(3).random(mask_shape) > 0.3
+    mask = keras.ops.convert_to_tensor(mask)
+    options = KernelOptions(scale=1.0, heads_major=heads_major)
+    products = count_products(monkeypatch)
+
+    def ours(q, k, bias):
+        return explicit.masked_logits(q, k, bias, mask, options)
+
+    def reference(q, k, bias):
+        logits = explicit.logits(q, k, bias, options)
+        return explicit.masked(logits, mask)
+
+    ours = value_and_gradients(ours, q, k, bias)
+    assert products == ([(2, 4, 3, 5)] if BACKEND == "torch" else [])
+    reference = value_and_gradients(reference, q, k, bias)
+    for x, y in zip((ours[0], *ours[1]), (reference[0], *reference[1]), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-5)
+
+
+def count_products(monkeypatch):
+    """The shapes `torch_logits.masked_logits` returned (PyTorch only)."""
+    if BACKEND != "torch":
+        return []
+    from keras_attn.ops.kernels import torch_logits
+
+    def shape(logits, *args):
+        return tuple(logits.shape)
+
+    return recorded(monkeypatch, torch_logits, "masked_logits", shape)
 
 
 @pytest.mark.parametrize("flash_attention", [None, False])

@@ -16,7 +16,7 @@ from tests.helpers.backend import (
 )
 from tests.helpers.builders import random_floats
 from tests.helpers.contract import assert_outputs_close
-from tests.helpers.doubles import count_key_widths
+from tests.helpers.doubles import count_key_widths, recorded
 
 # (is_causal, window, sinks) with the numpy mask they stand for.
 STRUCTURES = {
@@ -134,14 +134,9 @@ def test_key_gradients_stacked_or_carried_give_the_same_numbers(
     materialized path's, heads-major keys and sink logits included."""
     monkeypatch.setattr(plan, "CHUNKS_REMATERIALIZED", ())
     monkeypatch.setattr(chunked, "STACKED_KEYS", float("inf") if stacked else 0)
-    stacks = []
-    original = chunked._backward_stacked
-
-    def spy(*args):
-        stacks.append(args[1].shape)
-        return original(*args)
-
-    monkeypatch.setattr(chunked, "_backward_stacked", spy)
+    stacks = recorded(
+        monkeypatch, chunked, "_backward_stacked", lambda out, *args: args[1].shape
+    )
     is_causal, window, sinks = STRUCTURES[structure]
     attend, reference, q, k, v = band_case(is_causal, window, sinks, heads_major)
     ours = value_and_gradients(attend, q, k, v)
@@ -157,14 +152,9 @@ def test_causal_chunks_open_no_rows_and_keep_their_numbers(small_chunks, monkeyp
     chunk included (27 rows in chunks of 4): output and gradients equal the
     materialized path's, which opens them; with a key padding mask they are
     opened."""
-    opened = []
-    original = explicit.open_empty_rows
-
-    def spy(mask):
-        opened.append(tuple(mask.shape))
-        return original(mask)
-
-    monkeypatch.setattr(explicit, "open_empty_rows", spy)
+    opened = recorded(
+        monkeypatch, explicit, "open_empty_rows", lambda out, mask: tuple(mask.shape)
+    )
     q, k, v = (random_floats(2, 27, 2, 8, seed=seed) for seed in (1, 2, 3))
 
     def attend(q, k, v, mask=None):

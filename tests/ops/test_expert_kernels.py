@@ -20,6 +20,7 @@ from tests.helpers.backend import (
     value_and_gradients,
 )
 from tests.helpers.builders import random_floats
+from tests.helpers.doubles import recorded
 
 D, F, E = 5, 7, 4
 PLANS = [ExpertsPlan("gather"), ExpertsPlan("blocks", 1), ExpertsPlan("blocks", 4)]
@@ -209,14 +210,12 @@ def test_the_default_plan_sorts_in_eager_pytorch_only(monkeypatch):
 
     from keras_attn.ops.kernels import torch_experts
 
-    sorted_calls = []
-    original = torch_experts.grouped_feedforward
+    def compiling(*args, **kwargs):
+        return torch.compiler.is_compiling()
 
-    def spy(*args, **kwargs):
-        sorted_calls.append(torch.compiler.is_compiling())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torch_experts, "grouped_feedforward", spy)
+    sorted_calls = recorded(
+        monkeypatch, torch_experts, "grouped_feedforward", compiling
+    )
     x, ids, scales, w = inputs(11, 2, "unbalanced")
     expected = numpy_reference(x, ids, scales, w)
 

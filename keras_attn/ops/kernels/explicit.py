@@ -55,11 +55,34 @@ def visible(mask, causal_offset, query, key, options, rows_have_keys=False):
 def _weights_and_output(query, key, value, mask, bias, options):
     """`(output (B, T, H, Dv), weights (B, H, T, S))`, the weights before
     dropout."""
-    probs = _masked_softmax(
-        logits(query, key, bias, options), mask, value.dtype, options.sink_logits
+    probs = _softmax_to(
+        masked_logits(query, key, bias, mask, options),
+        value.dtype,
+        options.sink_logits,
     )
     weights = probs if options.dropout is None else options.dropout(probs)
     return combine(weights, value, options), probs
+
+
+def masked_logits(query, key, bias, mask, options):
+    """`masked(logits(query, key, bias, options), mask)`. On PyTorch without
+    a soft cap (which comes between the product and the additions), the bias
+    and the mask are added by the product itself (`torch_logits`)."""
+    if (
+        keras.config.backend() != "torch"
+        or options.logit_soft_cap is not None
+        or (mask is None and bias is None)
+    ):
+        return masked(logits(query, key, bias, options), mask)
+    from keras_attn.ops.kernels import torch_logits
+
+    wide = at_least_float32(query.dtype)
+    added = None if mask is None else mask_bias(mask, wide)
+    if bias is not None:
+        bias = ops.cast(bias, wide)
+        added = bias if added is None else bias + added
+    query, key = ops.cast(query, wide), ops.cast(key, wide)
+    return torch_logits.masked_logits(query, key, added, options.heads_major)
 
 
 def logits(query, key, bias, options):
@@ -158,10 +181,9 @@ def _grouped_einsums(num_heads, num_key_value_heads, heads_major):
     return f"btkgd,{keys}->bkgts", f"bkgts,{keys}->btkgd"
 
 
-def _masked_softmax(logits, mask, dtype, sink_logits=None):
-    """Softmax of `logits` over the keys `mask` allows, cast to `dtype`; with
+def _softmax_to(logits, dtype, sink_logits=None):
+    """Softmax of the masked `logits` over the keys, cast to `dtype`; with
     `sink_logits` `(H,)`, each head's sink joins the denominator."""
-    logits = masked(logits, mask)
     if sink_logits is None:
         return ops.cast(_softmax(logits), dtype)
     return ops.cast(_softmax(with_sinks(logits, sink_logits))[..., :-1], dtype)
@@ -191,10 +213,16 @@ def masked(logits, mask):
     """
     if mask is None:
         return logits
-    lowest = np.finfo(keras.backend.standardize_dtype(logits.dtype)).min
+    return logits + mask_bias(mask, logits.dtype)
+
+
+def mask_bias(mask, dtype):
+    """`mask` as the logits' addend in `dtype`: 0 where it shows a key, the
+    dtype's lowest number where it hides one."""
+    lowest = np.finfo(keras.backend.standardize_dtype(dtype)).min
     # Built in the logits' dtype: `ops.where(mask, 0.0, lowest)` is float32 on
     # PyTorch, where float64's lowest number becomes minus infinity.
-    return logits + ops.cast(ops.logical_not(mask), logits.dtype) * lowest
+    return ops.cast(ops.logical_not(mask), dtype) * lowest
 
 
 def _softmax(logits):
