@@ -106,13 +106,17 @@ def test_skipped_blocks_give_the_numbers_of_all_keys(
     heads-major keys and sink logits), with keys padded per row, compiled as
     each backend trains: output and gradients of the query, keys and values
     equal the materialized path's with the band as a numpy mask, and some
-    chunks computed fewer than 27 keys."""
+    chunks computed fewer than 27 keys. On PyTorch (each chunk under
+    `keras.remat`) the narrow windows' keys are taken for all their chunks
+    in one gather (`blocks.take_windows`)."""
     is_causal, window, sinks = STRUCTURES[structure]
     attend, reference, q, k, v = band_case(is_causal, window, sinks, heads_major)
     widths = count_key_widths(monkeypatch)
+    taken = recorded(monkeypatch, blocks, "take_windows", lambda out, *args: 1)
     ours = compiled_value_and_gradients(attend, q, k, v)
     assert small_chunks.calls, "the chunked path did not run"
     assert widths and min(widths) < 27, widths
+    assert bool(taken) == (keras.config.backend() in plan.CHUNKS_REMATERIALIZED)
     small_chunks()
     reference = compiled_value_and_gradients(reference, q, k, v)
     assert_outputs_close(ours, reference, tolerance=1e-5)

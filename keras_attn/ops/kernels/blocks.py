@@ -180,18 +180,33 @@ def add_windows(total, stack, starts, view, options):
     from its start in `starts` `(N,)`, added where they came from, in one
     sum by position."""
     axis = 2 if options.heads_major else 1
-    count = ops.shape(starts)[0]
-    positions = starts[:, None] + ops.arange(0, view.width, dtype="int32")[None]
-    if view.sinks:
-        first = ops.arange(0, view.sinks, dtype="int32")[None]
-        first = ops.broadcast_to(first, (count, view.sinks))
-        positions = ops.concatenate([first, positions], axis=1)
+    positions = _window_positions(starts, view)
     parts = ops.moveaxis(stack, axis + 1, 1)  # (N, sinks + width, ...)
     parts = ops.reshape(parts, [-1, *ops.shape(parts)[2:]])
     summed = ops.segment_sum(
         parts, ops.reshape(positions, (-1,)), num_segments=total.shape[axis]
     )
     return total + ops.moveaxis(summed, 0, axis)
+
+
+def take_windows(x, axis, starts, view):
+    """The keys `keys_of` takes for `view` in each of `N` chunks from its
+    start in `starts` `(N,)`, from `x` (keys on `axis`), stacked `(N, ...)`
+    in one gather: its gradient is one sum by position."""
+    taken = ops.take(x, _window_positions(starts, view), axis=axis)
+    return ops.moveaxis(taken, axis, 0)  # (N, ..., sinks + width, ...)
+
+
+def _window_positions(starts, view):
+    """`(N, sinks + width)`: the positions of the keys of `view` in each
+    chunk from its start in `starts` `(N,)`."""
+    count = ops.shape(starts)[0]
+    positions = starts[:, None] + ops.arange(0, view.width, dtype="int32")[None]
+    if not view.sinks:
+        return positions
+    first = ops.arange(0, view.sinks, dtype="int32")[None]
+    first = ops.broadcast_to(first, (count, view.sinks))
+    return ops.concatenate([first, positions], axis=1)
 
 
 class View(NamedTuple):
@@ -233,7 +248,10 @@ def windowed(chunk, shared, key, value, view, options):
         keys = ops.arange(0, ops.shape(key)[axis], dtype="int32")
     else:
         start, window = chunk["start"], (view.width, view.sinks)
-        key, value = (keys_of(x, axis, start, window) for x in (key, value))
+        if "key" in chunk:  # taken for all the chunks at once (`take_windows`)
+            key, value = chunk.pop("key"), chunk.pop("value")
+        else:
+            key, value = (keys_of(x, axis, start, window) for x in (key, value))
         shared = {n: keys_of(x, -1, start, window) for n, x in shared.items()}
         if "mask" in chunk:
             chunk["mask"] = keys_of(chunk["mask"], -1, start, window)

@@ -151,23 +151,40 @@ def _recomputed(query, key, value, masking, layout, options, extra):
     """`attention` with each chunk under `keras.remat`, differentiated by the
     backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`;
     `layout`: `(count, rows, windows)`; `extra`: the bias and sink logits
-    that are given, by name."""
+    that are given, by name.
+
+    PyTorch's autograd gives a tensor indexed or sliced in a loop the
+    gradient of the whole tensor at every step: a chunk taken as `x[i]` (as
+    Keras' `scan` takes it), or its keys sliced from all the keys, costs a
+    pass over all of them in the backward pass, chunks x length in all (a
+    window of 256 at 16,384 tokens: 42% of the call filled zeros). So the
+    chunks are unstacked (`ops.unstack`, whose gradient is one stack), and
+    where a group's windows hold few keys (`_few_keys`) the keys are taken
+    for all its chunks at once (`blocks.take_windows`, whose gradient is one
+    sum by position)."""
     count, rows, windows = layout
     length = ops.shape(query)[1]
     chunks, all_shared = split(query, masking, count, rows)
-    batch, heads, width = ops.shape(query)[0], query.shape[2], value.shape[-1]
-    first = ops.zeros((batch, rows, heads, width), dtype=value.dtype)
+    axis = 2 if options.heads_major else 1
     outputs = []
-    for group, window in blocks.chunk_groups(chunks, windows, masking):
-        step = _recomputed_step(all_shared, key, value, window, options, extra)
-        outputs.append(ops.scan(step, first, group)[1])
+    for group, view in blocks.chunk_groups(chunks, windows, masking):
+        if _few_keys(group["query"].shape[0], view, key.shape[axis]):
+            group["key"], group["value"] = (
+                blocks.take_windows(x, axis, group["start"], view) for x in (key, value)
+            )
+        step = _recomputed_step(all_shared, key, value, view, options, extra)
+        parts = {name: ops.unstack(x, axis=0) for name, x in group.items()}
+        steps = range(len(parts["query"]))
+        outputs.append(
+            ops.stack([step({n: p[i] for n, p in parts.items()}) for i in steps])
+        )
     return joined(stacked(outputs), length)
 
 
 def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
-    """The scan step of `_recomputed` for chunks over `window`."""
+    """One chunk's output in `_recomputed`, for chunks over `window`."""
 
-    def step(previous, chunk):
+    def step(chunk):
         chunk, shared, key, value = blocks.windowed(
             chunk, all_shared, all_key, all_value, window, options
         )
@@ -187,8 +204,7 @@ def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
         if "bias" in chunk:  # a bias per row: this chunk's rows
             tensors["bias"] = chunk["bias"]
         names = tuple(tensors)
-        output = keras.remat(attend)(chunk["query"], key, value, *tensors.values())
-        return output, output
+        return keras.remat(attend)(chunk["query"], key, value, *tensors.values())
 
     return step
 
@@ -307,7 +323,16 @@ def _stacks_keys(count, view, key_length, dtype):
     keys, e.g. a sliding window's band, and the gradients (in `dtype`) are
     float32: Keras' PyTorch `segment_sum` adds in float32 (3.15.1), which
     would round float64 gradients."""
-    if view.width is None or keras.backend.standardize_dtype(dtype) != "float32":
+    if keras.backend.standardize_dtype(dtype) != "float32":
+        return False
+    return _few_keys(count, view, key_length)
+
+
+def _few_keys(count, view, key_length):
+    """Whether `count` chunks' windows of keys (`view`, a `blocks.View`)
+    hold at most `STACKED_KEYS` times the `key_length` keys, so that a stack
+    of them all stays linear in the length."""
+    if view.width is None:
         return False
     return count * (view.sinks + view.width) <= STACKED_KEYS * key_length
 
