@@ -57,7 +57,7 @@ def fused_calls(monkeypatch):
     from keras_attn.ops.kernels import fused
     from tests.helpers.doubles import recorded
 
-    def key_shape(output, query, key, *args, **kwargs):
+    def key_shape(query, key, *args, **kwargs):
         return tuple(key.shape)
 
     return recorded(monkeypatch, fused, "_kernel", key_shape)
@@ -73,7 +73,7 @@ def sdpa_calls(monkeypatch):
 
     from tests.helpers.doubles import recorded
 
-    def arguments(output, query, key, value, **kwargs):
+    def arguments(query, key, value, **kwargs):
         backends = torch.backends.cuda
         return {
             "query": tuple(query.shape),
@@ -103,7 +103,7 @@ def small_chunks(monkeypatch):
     from keras_attn.ops.kernels import chunked
     from tests.helpers.doubles import recorded
 
-    def query_shape(output, query, *args, **kwargs):
+    def query_shape(query, *args, **kwargs):
         return tuple(query.shape)
 
     calls = recorded(monkeypatch, chunked, "attention", query_shape)

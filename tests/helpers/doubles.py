@@ -309,16 +309,15 @@ def largest_xla_array(traced, *args):
 
 
 def recorded(monkeypatch, owner, name, note, calls=None):
-    """`owner.name` spied: each call runs as it would, and then
-    `note(result, *args, **kwargs)` is appended to `calls` (a new list by
-    default), which is returned."""
+    """`owner.name` spied: each call first appends `note(*args, **kwargs)`
+    to `calls` (a new list by default), which is returned, then runs as it
+    would (so a call that raises is recorded too)."""
     calls = [] if calls is None else calls
     original = getattr(owner, name)
 
     def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(note(result, *args, **kwargs))
-        return result
+        calls.append(note(*args, **kwargs))
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, spy)
     return calls
@@ -331,12 +330,15 @@ def count_key_widths(monkeypatch):
     `torch_logits.masked_logits`, which adds the masks in the product."""
     from keras_attn.ops.kernels import explicit
 
-    def width(logits, *args):
-        return logits.shape[-1]
+    def width(query, key, options):
+        return key.shape[2 if options.heads_major else 1]
 
     widths = recorded(monkeypatch, explicit, "scores", width)
     if keras.config.backend() == "torch":
         from keras_attn.ops.kernels import torch_logits
 
-        recorded(monkeypatch, torch_logits, "masked_logits", width, widths)
+        def key_length(query, key, added, heads_major):
+            return key.shape[2 if heads_major else 1]
+
+        recorded(monkeypatch, torch_logits, "masked_logits", key_length, widths)
     return widths

@@ -42,56 +42,60 @@ def test_soft_capped_attention_matches_the_formula():
         )
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's product with its addends")
 @pytest.mark.parametrize(
-    "heads_major, kv_heads, mask_shape",
+    "heads_major, kv_heads, mask_shape, bias_shape",
     [
-        (False, 4, (3, 5)),  # broadcast over batch and heads: a view
-        (True, 2, (2, 1, 1, 5)),  # per batch row: a copy
-        (False, 1, (2, 4, 3, 5)),
+        (False, 4, (3, 5), None),  # the same for every row: in the product
+        (True, 2, (2, 1, 1, 5), (1, 4, 3, 5)),  # per batch row, per head: after
+        (False, 1, (2, 4, 3, 5), (2, 4, 3, 5)),  # whole: in the product
+        (True, 2, None, (2, 1, 3, 5)),  # per batch row: after
     ],
 )
 def test_masked_logits_are_the_product_then_the_bias_and_the_mask(
-    heads_major, kv_heads, mask_shape, monkeypatch
+    heads_major, kv_heads, mask_shape, bias_shape, monkeypatch
 ):
-    """`explicit.masked_logits` (on PyTorch one `baddbmm`, the masks added
-    in the product) equals the product, then the bias, then the mask added,
-    and so do its gradients: grouped and heads-major keys, masks that
-    broadcast (float64: `test_float64_attention_is_computed_in_float64`)."""
+    """`explicit.masked_logits` on PyTorch (`torch_logits`: the addends in
+    the product where they broadcast over its batch, else added after it)
+    equals the einsum, then the bias, then the mask added, and so do its
+    gradients: grouped heads (query head `h` reads key head `h // G`), heads-
+    major keys, masks and biases of every broadcast (float64:
+    `test_float64_attention_is_computed_in_float64`)."""
     from keras_attn.ops.kernels import explicit
     from keras_attn.ops.kernels.options import KernelOptions
 
     q = random_floats(2, 3, 4, 8)
     k = random_floats(*((2, kv_heads, 5) if heads_major else (2, 5, kv_heads)), 8)
-    bias = random_floats(1, 4, 3, 5, seed=2)
-    mask = np.random.default_rng(3).random(mask_shape) > 0.3
-    mask = keras.ops.convert_to_tensor(mask)
+    mask = None
+    if mask_shape:
+        mask = np.random.default_rng(3).random(mask_shape) > 0.3
+        mask = keras.ops.convert_to_tensor(mask)
     options = KernelOptions(scale=1.0, heads_major=heads_major)
     products = count_products(monkeypatch)
 
-    def ours(q, k, bias):
+    arrays = (q, k, random_floats(*bias_shape, seed=2)) if bias_shape else (q, k)
+
+    def ours(q, k, bias=None):
         return explicit.masked_logits(q, k, bias, mask, options)
 
-    def reference(q, k, bias):
-        logits = explicit.logits(q, k, bias, options)
-        return explicit.masked(logits, mask)
+    def reference(q, k, bias=None):
+        return explicit.masked(explicit.logits(q, k, bias, options), mask)
 
-    ours = value_and_gradients(ours, q, k, bias)
-    assert products == ([(2, 4, 3, 5)] if BACKEND == "torch" else [])
-    reference = value_and_gradients(reference, q, k, bias)
+    ours = value_and_gradients(ours, *arrays)
+    assert products == [(2, 3, 4, 8)]
+    reference = value_and_gradients(reference, *arrays)
     for x, y in zip((ours[0], *ours[1]), (reference[0], *reference[1]), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-5)
 
 
 def count_products(monkeypatch):
-    """The shapes `torch_logits.masked_logits` returned (PyTorch only)."""
-    if BACKEND != "torch":
-        return []
+    """The query shapes `torch_logits.masked_logits` was called with."""
     from keras_attn.ops.kernels import torch_logits
 
-    def shape(logits, *args):
-        return tuple(logits.shape)
+    def query_shape(query, *args):
+        return tuple(query.shape)
 
-    return recorded(monkeypatch, torch_logits, "masked_logits", shape)
+    return recorded(monkeypatch, torch_logits, "masked_logits", query_shape)
 
 
 @pytest.mark.parametrize("flash_attention", [None, False])

@@ -108,18 +108,27 @@ def test_skipped_blocks_give_the_numbers_of_all_keys(
     equal the materialized path's with the band as a numpy mask, and some
     chunks computed fewer than 27 keys. On PyTorch (each chunk under
     `keras.remat`) the narrow windows' keys are taken for all their chunks
-    in one gather (`blocks.take_windows`)."""
+    in one gather (`blocks.take_windows`), or sliced chunk by chunk where a
+    group's windows hold many keys (`blocks.STACKED_KEYS` 0 here): the same
+    numbers either way."""
     is_causal, window, sinks = STRUCTURES[structure]
     attend, reference, q, k, v = band_case(is_causal, window, sinks, heads_major)
     widths = count_key_widths(monkeypatch)
-    taken = recorded(monkeypatch, blocks, "take_windows", lambda out, *args: 1)
-    ours = compiled_value_and_gradients(attend, q, k, v)
+    taken = recorded(monkeypatch, blocks, "take_windows", lambda *args: 1)
+    ours = [compiled_value_and_gradients(attend, q, k, v)]
     assert small_chunks.calls, "the chunked path did not run"
     assert widths and min(widths) < 27, widths
-    assert bool(taken) == (keras.config.backend() in plan.CHUNKS_REMATERIALIZED)
+    remat = keras.config.backend() in plan.CHUNKS_REMATERIALIZED
+    assert bool(taken) == remat
+    if remat:
+        gathers = len(taken)
+        monkeypatch.setattr(blocks, "STACKED_KEYS", 0)
+        ours.append(compiled_value_and_gradients(attend, q, k, v))
+        assert len(taken) == gathers  # sliced chunk by chunk
     small_chunks()
     reference = compiled_value_and_gradients(reference, q, k, v)
-    assert_outputs_close(ours, reference, tolerance=1e-5)
+    for computed in ours:
+        assert_outputs_close(computed, reference, tolerance=1e-5)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["carried", "stacked"])
@@ -137,9 +146,9 @@ def test_key_gradients_stacked_or_carried_give_the_same_numbers(
     eagerly (on TensorFlow the kernels of a graph without XLA): equal to the
     materialized path's, heads-major keys and sink logits included."""
     monkeypatch.setattr(plan, "CHUNKS_REMATERIALIZED", ())
-    monkeypatch.setattr(chunked, "STACKED_KEYS", float("inf") if stacked else 0)
+    monkeypatch.setattr(blocks, "STACKED_KEYS", float("inf") if stacked else 0)
     stacks = recorded(
-        monkeypatch, chunked, "_backward_stacked", lambda out, *args: args[1].shape
+        monkeypatch, chunked, "_backward_stacked", lambda *args: args[1].shape
     )
     is_causal, window, sinks = STRUCTURES[structure]
     attend, reference, q, k, v = band_case(is_causal, window, sinks, heads_major)
@@ -157,7 +166,7 @@ def test_causal_chunks_open_no_rows_and_keep_their_numbers(small_chunks, monkeyp
     materialized path's, which opens them; with a key padding mask they are
     opened."""
     opened = recorded(
-        monkeypatch, explicit, "open_empty_rows", lambda out, mask: tuple(mask.shape)
+        monkeypatch, explicit, "open_empty_rows", lambda mask: tuple(mask.shape)
     )
     q, k, v = (random_floats(2, 27, 2, 8, seed=seed) for seed in (1, 2, 3))
 
@@ -177,7 +186,7 @@ def test_causal_chunks_open_no_rows_and_keep_their_numbers(small_chunks, monkeyp
 
 
 def test_bands_stack_their_key_gradients_and_long_causal_groups_carry_them():
-    """The rule (`chunked.STACKED_KEYS`): each group of a sliding window of
+    """The rule (`blocks.STACKED_KEYS`): each group of a sliding window of
     256 at 16,384 tokens (64 chunks of 256 rows) stacks the gradients of its
     keys; a causal call's widest groups carry them, as their stacks would
     grow with the square of the length."""
@@ -200,7 +209,7 @@ def test_bands_stack_their_key_gradients_and_long_causal_groups_carry_them():
 
 
 def test_causal_windows_start_at_key_0():
-    """What `chunked._rows_have_keys` relies on: under a causal mask alone
+    """What `blocks.rows_have_keys` relies on: under a causal mask alone
     every chunk's window of keys starts at key 0 (so each row, padded rows
     included, sees a key), with fewer, as many and more keys than rows."""
     for length, key_length in ((27, 19), (27, 27), (27, 40), (300, 300)):

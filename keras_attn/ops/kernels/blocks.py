@@ -1,8 +1,9 @@
 """Which keys each chunk of query rows can see, from what is known when the
 call is traced: the block structure of the chunked path (`key_windows`),
 the loops it makes of the chunks (`chunk_groups`), and how a chunk takes its
-window of keys (`windowed`, `keys_of`, `by_position`) and gives back their
-gradient (`add_keys` in a loop, `add_windows` after it).
+window of keys (`windowed`, `keys_of`, `by_position`; `take_windows` for
+all of a loop's chunks at once) and gives back their gradient (`add_keys` in
+a loop, `add_windows` after it).
 
 A chunk of rows `[a, b)` can see only keys in one range (and the attention
 sinks): causal attention ends it at `b` (key `j <= i`), a sliding window
@@ -21,6 +22,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from keras import ops
+
+from keras_attn.ops.masks import merge_attention_masks, same_segment
+
+# A group of chunks stacks its gradients of its windows of keys, rather than
+# adding them to the sums the loop carries, where the stack holds at most this
+# many times the keys (`few_keys`, `chunked._stacks_keys`): in a TensorFlow
+# graph without XLA each update of a carried tensor copies it, so carried sums
+# cost chunks x length (a sliding window's fwd+bwd at 16,384 tokens took 6.5x
+# its time at 4,096, `benchmarks/block_skipping.py`). A causal call's widest
+# groups would stack about the square of the length, so they still carry
+# theirs. On PyTorch (`recomputed.attention`) such a group gathers its keys
+# in one `take`, and keeps them for the call.
+STACKED_KEYS = 4
 
 # At most this many groups (loops) of chunks. Each is one more loop to trace
 # and compile; 8 leave a causal call about 0.56 of its logits
@@ -237,21 +251,22 @@ def chunk_groups(chunks, windows, masking):
     return groups
 
 
-def windowed(chunk, shared, key, value, view, options):
+def windowed(chunk, shared, key, value, view, options, taken=(None, None)):
     """`(chunk, shared, key, value)` over the keys of `view` (a `View`):
     the first `sinks` keys, then `width` from `chunk["start"]`, their masks
     and segments too; the masks by position built from the keys' positions
-    (`chunk["causal"]`)."""
+    (`chunk["causal"]`). `taken`: the chunk's keys and values of `view`
+    taken already (`take_windows`), or `(None, None)`."""
     axis = 2 if options.heads_major else 1
     chunk = dict(chunk)
     if view.width is None:
         keys = ops.arange(0, ops.shape(key)[axis], dtype="int32")
     else:
         start, window = chunk["start"], (view.width, view.sinks)
-        if "key" in chunk:  # taken for all the chunks at once (`take_windows`)
-            key, value = chunk.pop("key"), chunk.pop("value")
-        else:
-            key, value = (keys_of(x, axis, start, window) for x in (key, value))
+        key, value = (
+            keys_of(x, axis, start, window) if part is None else part
+            for x, part in zip((key, value), taken, strict=True)
+        )
         shared = {n: keys_of(x, -1, start, window) for n, x in shared.items()}
         if "mask" in chunk:
             chunk["mask"] = keys_of(chunk["mask"], -1, start, window)
@@ -263,3 +278,35 @@ def windowed(chunk, shared, key, value, view, options):
         )
         chunk["causal"] = by_position(queries, keys, view)
     return chunk, shared, key, value
+
+
+def few_keys(count, view, key_length):
+    """Whether `count` chunks' windows of keys (`view`, a `View`)
+    hold at most `STACKED_KEYS` times the `key_length` keys, so that a stack
+    of them all stays linear in the length."""
+    if view.width is None:
+        return False
+    return count * (view.sinks + view.width) <= STACKED_KEYS * key_length
+
+
+def rows_have_keys(chunk, shared, view):
+    """Whether the masks leave every row of a chunk over the keys of `view`
+    a key: under a causal mask alone row `i` sees key 0, and a causal
+    chunk's keys start at key 0 (`key_windows`). Then no row is
+    opened (`explicit.visible`), which saves passes over the mask and the
+    output."""
+    masks = {"mask", "segments"} & {*chunk, *shared}
+    return view.is_causal and view.band is None and not masks
+
+
+def chunk_mask(chunk, shared):
+    """A chunk's boolean mask (or `None`): its rows' or the shared mask, the
+    causal mask of a window of keys, and where there are segment ids, its
+    rows' segments against the keys' `(B, 1, C, S)`."""
+    mask = merge_attention_masks(chunk.get("mask", shared.get("mask")))
+    mask = merge_attention_masks(mask, chunk.get("causal"))
+    if "segments" not in chunk:
+        return mask
+    return merge_attention_masks(
+        mask, same_segment(chunk["segments"], shared["key_segments"])
+    )

@@ -37,7 +37,7 @@ import keras
 from keras import ops
 
 from keras_attn.ops.dtypes import at_least_float32
-from keras_attn.ops.kernels import blocks, explicit
+from keras_attn.ops.kernels import blocks, explicit, recomputed
 from keras_attn.ops.kernels.chunk_layout import (
     chunking,
     in_chunks,
@@ -46,16 +46,7 @@ from keras_attn.ops.kernels.chunk_layout import (
     split,
     stacked,
 )
-from keras_attn.ops.masks import merge_attention_masks, same_segment, zero_empty_rows
-
-# A group of chunks stacks its gradients of its windows of keys, rather than
-# adding them to the sums the loop carries, where the stack holds at most this
-# many times the keys (`_stacks_keys`). In a TensorFlow graph without XLA
-# each update of a carried tensor copies it, so carried sums cost chunks x
-# length: a sliding window's fwd+bwd at 16,384 tokens took 6.5x its time at
-# 4,096 (`benchmarks/block_skipping.py`). A causal call's widest groups
-# would stack about the square of the length, so they still carry theirs.
-STACKED_KEYS = 4
+from keras_attn.ops.masks import zero_empty_rows
 
 
 class Masking(NamedTuple):
@@ -98,7 +89,7 @@ def attention(
     extra = {"bias": bias, "sink_logits": options.sink_logits}
     extra = {name: x for name, x in extra.items() if x is not None}
     if plan.chunk_gradient == "remat":
-        return _recomputed(
+        return recomputed.attention(
             query, key, value, masking, (count, rows, windows), options, extra
         )
 
@@ -145,68 +136,6 @@ def attention(
         return joined(output, length), gradient
 
     return attend(query, key, value, *extra.values())
-
-
-def _recomputed(query, key, value, masking, layout, options, extra):
-    """`attention` with each chunk under `keras.remat`, differentiated by the
-    backend (`plan.CHUNKS_REMATERIALIZED`); `masking`: a `Masking`;
-    `layout`: `(count, rows, windows)`; `extra`: the bias and sink logits
-    that are given, by name.
-
-    PyTorch's autograd gives a tensor indexed or sliced in a loop the
-    gradient of the whole tensor at every step: a chunk taken as `x[i]` (as
-    Keras' `scan` takes it), or its keys sliced from all the keys, costs a
-    pass over all of them in the backward pass, chunks x length in all (a
-    window of 256 at 16,384 tokens: 42% of the call filled zeros). So the
-    chunks are unstacked (`ops.unstack`, whose gradient is one stack), and
-    where a group's windows hold few keys (`_few_keys`) the keys are taken
-    for all its chunks at once (`blocks.take_windows`, whose gradient is one
-    sum by position)."""
-    count, rows, windows = layout
-    length = ops.shape(query)[1]
-    chunks, all_shared = split(query, masking, count, rows)
-    axis = 2 if options.heads_major else 1
-    outputs = []
-    for group, view in blocks.chunk_groups(chunks, windows, masking):
-        if _few_keys(group["query"].shape[0], view, key.shape[axis]):
-            group["key"], group["value"] = (
-                blocks.take_windows(x, axis, group["start"], view) for x in (key, value)
-            )
-        step = _recomputed_step(all_shared, key, value, view, options, extra)
-        parts = {name: ops.unstack(x, axis=0) for name, x in group.items()}
-        steps = range(len(parts["query"]))
-        outputs.append(
-            ops.stack([step({n: p[i] for n, p in parts.items()}) for i in steps])
-        )
-    return joined(stacked(outputs), length)
-
-
-def _recomputed_step(all_shared, all_key, all_value, window, options, extra):
-    """One chunk's output in `_recomputed`, for chunks over `window`."""
-
-    def step(chunk):
-        chunk, shared, key, value = blocks.windowed(
-            chunk, all_shared, all_key, all_value, window, options
-        )
-
-        def attend(query, key, value, *tensors):
-            # What may need a gradient is an argument.
-            given = {**shared, **chunk, "query": query}
-            given.update(zip(names, tensors, strict=True))
-            own = dataclasses.replace(options, sink_logits=given.get("sink_logits"))
-            return explicit.attention(
-                query, key, value, _mask(given, given), given.get("bias"),
-                given.get("offset"), own, _rows_have_keys(given, given, window),
-                keep_weights=False,
-            )[0]  # fmt: skip
-
-        tensors = dict(extra)
-        if "bias" in chunk:  # a bias per row: this chunk's rows
-            tensors["bias"] = chunk["bias"]
-        names = tuple(tensors)
-        return keras.remat(attend)(chunk["query"], key, value, *tensors.values())
-
-    return step
 
 
 def _forward(chunks, all_shared, all_key, all_value, options, window):
@@ -319,22 +248,13 @@ def _backward_loop(chunks, all_shared, keys_values, options, window, sums):
 def _stacks_keys(count, view, key_length, dtype):
     """Whether a group of `count` chunks over the keys of `view` (a
     `blocks.View`) stacks its gradients of the keys (`_backward_stacked`):
-    where its windows hold at most `STACKED_KEYS` times the `key_length`
+    where its windows hold at most `blocks.STACKED_KEYS` times the `key_length`
     keys, e.g. a sliding window's band, and the gradients (in `dtype`) are
     float32: Keras' PyTorch `segment_sum` adds in float32 (3.15.1), which
     would round float64 gradients."""
     if keras.backend.standardize_dtype(dtype) != "float32":
         return False
-    return _few_keys(count, view, key_length)
-
-
-def _few_keys(count, view, key_length):
-    """Whether `count` chunks' windows of keys (`view`, a `blocks.View`)
-    hold at most `STACKED_KEYS` times the `key_length` keys, so that a stack
-    of them all stays linear in the length."""
-    if view.width is None:
-        return False
-    return count * (view.sinks + view.width) <= STACKED_KEYS * key_length
+    return blocks.few_keys(count, view, key_length)
 
 
 def _backward_stacked(chunks, rows, all_shared, keys_values, options, view, sums):
@@ -459,33 +379,11 @@ def _logits(chunk, shared, key, options, view):
     `(B, 1|H, C, 1)` (`None`: all)."""
     query = chunk["query"]
     bias = chunk.get("bias", shared.get("bias"))
-    keyed = _rows_have_keys(chunk, shared, view)
+    keyed = blocks.rows_have_keys(chunk, shared, view)
+    mask = blocks.chunk_mask(chunk, shared)
     mask, has_key = explicit.visible(
-        _mask(chunk, shared), chunk.get("offset"), query, key, options, keyed
+        mask, chunk.get("offset"), query, key, options, keyed
     )
     capped = explicit.soft_cap(explicit.scores(query, key, options), options)
     logits = capped if bias is None else capped + ops.cast(bias, capped.dtype)
     return explicit.masked(logits, mask), capped, has_key
-
-
-def _rows_have_keys(chunk, shared, view):
-    """Whether the masks leave every row of a chunk over the keys of `view`
-    a key: under a causal mask alone row `i` sees key 0, and a causal
-    chunk's keys start at key 0 (`blocks.key_windows`). Then no row is
-    opened (`explicit.visible`), which saves passes over the mask and the
-    output."""
-    masks = {"mask", "segments"} & {*chunk, *shared}
-    return view.is_causal and view.band is None and not masks
-
-
-def _mask(chunk, shared):
-    """A chunk's boolean mask (or `None`): its rows' or the shared mask, the
-    causal mask of a window of keys, and where there are segment ids, its
-    rows' segments against the keys' `(B, 1, C, S)`."""
-    mask = merge_attention_masks(chunk.get("mask", shared.get("mask")))
-    mask = merge_attention_masks(mask, chunk.get("causal"))
-    if "segments" not in chunk:
-        return mask
-    return merge_attention_masks(
-        mask, same_segment(chunk["segments"], shared["key_segments"])
-    )
