@@ -11,11 +11,12 @@ pass (Dao et al., 2022, Algorithm 4): `dP = dO V^T`, `dS = P * (dP -
 rowsum(dO * O))`, `dQ = dS K`, `dK += dS^T Q`, `dV += P^T dO`. No backend
 differentiates a loop here, so none can keep a chunk's weights for the
 gradient. `keras.remat` around each chunk, which PyTorch keeps (the plan's
-`chunk_gradient`, `plan.CHUNKS_REMATERIALIZED`), failed to compile under XLA
-on TensorFlow, where Keras trains with XLA on a GPU: the gradient of Keras'
-TensorFlow `scan`, a `tf.while_loop` without `maximum_iterations`, asks XLA
-for "a fixed tensor list size". It also recomputes each chunk's output in
-the backward pass: 8 matrix products a chunk, 7 here, 6 materialized.
+`chunk_gradient`, `plan.CHUNKS_REMATERIALIZED`, `recomputed.py`), failed to
+compile under XLA on TensorFlow, where Keras trains with XLA on a GPU: the
+gradient of Keras' TensorFlow `scan`, a `tf.while_loop` without
+`maximum_iterations`, asks XLA for "a fixed tensor list size". It also
+recomputes each chunk's output in the backward pass: 8 matrix products a
+chunk, 7 here, 6 materialized.
 
 Where the masks by position hide keys from whole chunks (causal attention,
 a sliding window's band, `blocks.KeyBand`), each chunk computes only a

@@ -1,6 +1,6 @@
 """The fused kernel on PyTorch: `torch.nn.functional.scaled_dot_product_attention`.
 
-The one place `keras_attn.ops` imports a backend module. Keras'
+The one place the fused path imports a backend module. Keras'
 `ops.dot_product_attention` on PyTorch (3.15) pins FlashAttention alone
 whenever its check passes (where torch itself would choose cuDNN's faster
 kernel on a Hopper GPU), repeats grouped key/value heads to the full head
