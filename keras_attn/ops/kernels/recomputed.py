@@ -37,20 +37,19 @@ def attention(query, key, value, masking, layout, options, extra):
     outputs = []
     for group, view in blocks.chunk_groups(chunks, windows, masking):
         steps = range(group["query"].shape[0])
-        taken = [[None] * len(steps)] * 2
+        taken = [(None, None)] * len(steps)  # each chunk's keys and values
         if blocks.few_keys(len(steps), view, key.shape[axis]):
-            taken = [
+            keys, values = (
                 ops.unstack(blocks.take_windows(x, axis, group["start"], view))
                 for x in (key, value)
-            ]
+            )
+            taken = list(zip(keys, values, strict=True))
         step = _step(all_shared, key, value, view, options, extra)
         parts = {name: ops.unstack(x, axis=0) for name, x in group.items()}
-        outputs.append(
-            ops.stack([
-                step({n: p[i] for n, p in parts.items()}, (taken[0][i], taken[1][i]))
-                for i in steps
-            ])
-        )  # fmt: skip
+        chunk_outputs = [
+            step({name: x[i] for name, x in parts.items()}, taken[i]) for i in steps
+        ]
+        outputs.append(ops.stack(chunk_outputs))
     return joined(stacked(outputs), length)
 
 
