@@ -240,15 +240,9 @@ def attend(
     # The promise is about a mask: with none, it holds nothing.
     within_causal = within_causal and mask is not None
     is_causal = is_causal or (within_causal and plan.kernel == "chunked")
-    if segment_ids is not None and plan.kernel != "chunked":  # (B, 1, T, S)
-        mask = merge_attention_masks(mask, same_segment(*segment_ids))
-        segment_ids = None
-    if band is not None and plan.kernel != "chunked":  # (T, S)
-        lengths = ops.shape(query)[1], ops.shape(key)[2 if heads_major else 1]
-        mask = merge_attention_masks(
-            mask, window_band(*lengths, band.window, sinks=band.sinks)
-        )
-        band = None
+    if plan.kernel != "chunked":
+        mask = _folded(mask, segment_ids, band, query, key, heads_major)
+        segment_ids = band = None
     options = KernelOptions(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         heads_major=heads_major,
@@ -261,6 +255,20 @@ def attend(
         plan, query, key, value, mask, bias, is_causal, options, segments
     )
     return (output, weights) if return_scores else output
+
+
+def _folded(mask, segment_ids, band, query, key, heads_major):
+    """`mask` with the segments' mask `(B, 1, T, S)` and the band's `(T, S)`
+    merged in: for the kernels other than the chunked path, which builds
+    both chunk by chunk."""
+    if segment_ids is not None:
+        mask = merge_attention_masks(mask, same_segment(*segment_ids))
+    if band is not None:
+        lengths = ops.shape(query)[1], ops.shape(key)[2 if heads_major else 1]
+        mask = merge_attention_masks(
+            mask, window_band(*lengths, band.window, sinks=band.sinks)
+        )
+    return mask
 
 
 def _run(plan, query, key, value, mask, bias, is_causal, options, segments):
