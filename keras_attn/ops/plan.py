@@ -32,7 +32,14 @@ rule out, it raises (`refuse_flash`) rather than falling back.
    overflow float16 to NaN).
 6. JAX on a CPU, with at least `CHUNKED_FROM` logits per batch row:
    explicit, in chunks. XLA's CPU attention materializes the logits and keeps
-   them for the gradient (memory rule: `benchmarks/long_sequence.py`).
+   them for the gradient (memory rule: `benchmarks/long_sequence.py`). And
+   JAX off a GPU in float16: explicit. JAX's XLA attention asks for a float16
+   product summed in float32 (`DotAlgorithmPreset.F16_F16_F32`), which XLA
+   refuses on a CPU ("not supported by dot_general on CPU") and, by JAX's
+   own comment, on a TPU; its fallback catches that only where the product
+   compiles on its own (an eager call), so any compiled float16 model
+   failed (jax 0.10, `jax/_src/nn/functions.py`,
+   `_dot_product_attention_core`).
 7. Segment ids (packed sequences) where the explicit path would go in
    chunks (at least `CHUNKED_FROM` logits per batch row): explicit, in
    chunks, each chunk's mask built from its rows' segment ids and all the
@@ -158,6 +165,7 @@ RUNTIME = "runtime"
 FLASH_DISABLED = "flash attention disabled by keras.config.disable_flash_attention()"
 # Rule 7's reason.
 LONG_SEGMENTS = "segment ids on a long sequence (no fused kernel takes them)"
+JAX_FLOAT16 = "float16 on JAX off a GPU (XLA refuses its float32 sums there)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +283,7 @@ def plan_attention(
     if segmented or banded:  # their mask, folded in unless in chunks
         mask_shape = mask_shape or (query_shape[0], 1, query_shape[1], key_length)
     if flash_attention is None:
-        not_fused += _explicit_here(backend, platform, chunk_rows)
+        not_fused += _explicit_here(backend, platform, chunk_rows, dtype)
         if segmented and isinstance(chunk_rows, int):
             not_fused += (LONG_SEGMENTS,)
     elif flash_attention is False:
@@ -299,14 +307,18 @@ def plan_attention(
     )
 
 
-def _explicit_here(backend, platform, chunk_rows):
+def _explicit_here(backend, platform, chunk_rows, dtype):
     """Rules 4 to 6: where the explicit path runs though a fused kernel
     could compute the same."""
     if keras.config.is_flash_attention_enabled() is False:
         return (FLASH_DISABLED,)
     if backend == "tensorflow":
         return ("no fused TensorFlow kernel in Keras",)
-    if backend == "jax" and chunk_rows and platform == "cpu":
+    if backend != "jax":
+        return ()
+    if platform != "gpu" and keras.backend.standardize_dtype(dtype) == "float16":
+        return (JAX_FLOAT16,)
+    if chunk_rows and platform == "cpu":
         return ("XLA's CPU kernel materializes long sequences",)
     return ()
 

@@ -642,6 +642,23 @@ def test_a_bias_with_a_mask_in_half_precision(policy):
     )
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_half_precision_compiles(policy):
+    """`predict` compiles the call where Keras compiles (`jax.jit`, XLA on
+    TensorFlow): in float16 on a CPU, JAX's fused kernel failed to compile
+    there (plan rule 6), while eager calls ran."""
+    inputs = keras.Input((5, 8))
+    layer = MultiHeadAttention(2, dtype=policy)
+    model = keras.Model(inputs, layer(inputs, use_causal_mask=True))
+    model.compile()
+    x = random_floats(2, 5, 8)
+    np.testing.assert_allclose(
+        to_numpy(keras.ops.cast(model.predict(x, verbose=0), "float32")),
+        to_numpy(keras.ops.cast(model(x), "float32")),
+        atol=0.01,
+    )
+
+
 def test_cache_writes_are_checked_against_the_keys_they_write():
     """A cross-attention cache takes the whole source from the index on; a
     tensor index is checked too, in eager calls."""

@@ -121,6 +121,16 @@ EXPLICIT = {
         "chunked",
         "False",
     ),
+    "float16, JAX on a CPU: materialized (XLA refuses float32 sums there)": (
+        dict(platform="cpu", dtype="float16"),
+        "materialized",
+        "float16",
+    ),
+    "float16, JAX on a TPU: materialized": (
+        dict(platform="tpu", dtype="float16"),
+        "materialized",
+        "float16",
+    ),
     "long with dropout: materialized": (
         dict(dropout=True, shapes=(LONG_QUERY, LONG_KEYS)),
         "materialized",
@@ -192,6 +202,19 @@ def test_explicit_paths_and_why(name):
     if kernel == "chunked":  # the speed rule: `keras.remat` on PyTorch only
         remat = kwargs.get("backend", "jax") == "torch"
         assert chosen.chunk_gradient == ("remat" if remat else "own")
+
+
+def test_half_precision_stays_fused_where_xla_sums_it():
+    """Rule 6's float16 limit is JAX's off a GPU only: bfloat16 everywhere,
+    float16 on JAX on a GPU and on PyTorch stay fused."""
+    for backend, platform, dtype in (
+        ("jax", "cpu", "bfloat16"),
+        ("jax", "tpu", "bfloat16"),
+        ("jax", "gpu", "float16"),
+        ("torch", "cpu", "float16"),
+    ):
+        chosen = plan(backend, platform, dtype)
+        assert chosen.kernel == "fused" and not chosen.not_fused, (backend, dtype)
 
 
 def test_long_sequences_stay_fused_where_a_kernel_streams_them():
