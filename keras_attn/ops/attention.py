@@ -1,6 +1,7 @@
 """Scaled dot-product attention, the public op: plan, then run the kernel."""
 
 import dataclasses
+import functools
 import math
 
 import keras
@@ -217,6 +218,7 @@ def attend(
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
     band = None if band is None else KeyBand(*band)
+    platform = platform_of(query)
     plan = plan_attention(
         tuple(query.shape),
         tuple(key.shape),
@@ -231,7 +233,7 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=sink_logits is not None,
         flash_attention=flash_attention,
-        platform=platform_of(query),
+        platform=platform,
         exporting=exported_by_torch(),
         segmented=segment_ids is not None,
         banded=band is not None,
@@ -240,9 +242,6 @@ def attend(
     # The promise is about a mask: with none, it holds nothing.
     within_causal = within_causal and mask is not None
     is_causal = is_causal or (within_causal and plan.kernel == "chunked")
-    if plan.kernel != "chunked":
-        mask = _folded(mask, segment_ids, band, query, key, heads_major)
-        segment_ids = band = None
     options = KernelOptions(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         heads_major=heads_major,
@@ -250,11 +249,24 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
+    run = _runner(plan, query, options, platform)
     segments = (segment_ids, band)
-    output, weights = _run(
+    output, weights = run(
         plan, query, key, value, mask, bias, is_causal, options, segments
     )
     return (output, weights) if return_scores else output
+
+
+def _runner(plan, query, options, platform):
+    """`_run`, or on JAX where an eager call compiles as one XLA program
+    (`kernels/jax_eager.py`), `_run` in that program."""
+    if keras.config.backend() != "jax":
+        return _run
+    from keras_attn.ops.kernels import jax_eager
+
+    if not jax_eager.applies(plan, query, options, platform):
+        return _run
+    return functools.partial(jax_eager.run, _run)
 
 
 def _folded(mask, segment_ids, band, query, key, heads_major):
@@ -274,8 +286,10 @@ def _folded(mask, segment_ids, band, query, key, heads_major):
 def _run(plan, query, key, value, mask, bias, is_causal, options, segments):
     """Carry out `plan`: `(output, weights)`, the weights `None` but on the
     materialized path; `segments`: `(segment_ids, band)`, which reach the
-    chunked path only (elsewhere they are in the mask)."""
+    chunked path as they are and the other kernels folded into the mask."""
     segment_ids, band = segments
+    if plan.kernel != "chunked":
+        mask = _folded(mask, segment_ids, band, query, key, options.heads_major)
     if plan.kernel == "fused":  # the kernel scales the logits
         output = fused.attention(
             query, key, value, mask, bias, is_causal, plan, options

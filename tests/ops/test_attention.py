@@ -10,7 +10,7 @@ import pytest
 
 import keras_attn
 from keras_attn import ops as attn_ops
-from keras_attn.ops import plan
+from keras_attn.ops import attention, plan
 from tests.helpers.backend import (
     BACKEND,
     has_accelerator,
@@ -141,6 +141,38 @@ def test_scores_come_from_the_explicit_path():
     np.testing.assert_allclose(
         to_numpy(out), to_numpy(attn_ops.dot_product_attention(q, q, q)), atol=1e-6
     )
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX compiles each eager op")
+@pytest.mark.parametrize("flash_attention", [None, False])
+def test_an_eager_call_on_jax_compiles_one_program(caplog, flash_attention):
+    """On JAX an eager call folds its masks and runs its kernel as one XLA
+    program (`kernels/jax_eager.py`), not one per op: at shapes not seen
+    before it compiles that one (no product on its own), and then nothing;
+    the numbers are the formula's."""
+    import jax
+
+    q, k, v = (random_floats(2, 11, 4, 8, seed=n) for n in range(3))
+    mask = keras.ops.convert_to_tensor(np.tril(np.ones((2, 1, 11, 11), bool), 2))
+
+    def call():
+        return attention.attend(
+            q, k, v, mask, band=(5, 1), flash_attention=flash_attention
+        )
+
+    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
+        output = call()
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        call()
+    compiled = [m.split()[-4] for m in first if m.startswith("Finished XLA")]
+    assert compiled.count("jit(_compiled)") == 1, compiled
+    assert "jit(_einsum)" not in compiled, compiled
+    assert not [r for r in caplog.records if "XLA compilation" in r.getMessage()]
+    rows, keys = np.ogrid[:11, :11]
+    band = (np.abs(rows - keys) < 5) | (keys < 1)  # a window of 5, 1 sink
+    expected, _ = dot_product_reference(q, k, v, to_numpy(mask) & band)
+    np.testing.assert_allclose(to_numpy(output), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize(
