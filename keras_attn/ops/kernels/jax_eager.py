@@ -10,9 +10,9 @@ so JAX's own `jax.nn` functions are each one `jax.jit`
 masks folded, the query scaled, the kernel run, for each plan, static option
 and set of shapes one program, compiled once per process.
 
-Measured (`tests/layers/test_multi_head_attention.py` on JAX, alone): 107 s
--> 62 s, mostly compiling; a `MultiHeadAttention` call at new shapes about
-half the time, 19 programs -> 6.
+An eager `MultiHeadAttention` call then compiles a third of the programs at
+new shapes and, compiled, takes about a third of the time
+(`benchmarks/results/jax_eager.md`).
 
 Where it does not apply (the kernel runs op by op, as before):
 - inside a trace (`jit`, `grad`, `fit`): the caller's program holds it;
