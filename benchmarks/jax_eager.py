@@ -2,11 +2,12 @@
 
     OMP_NUM_THREADS=1 KERAS_BACKEND=jax python benchmarks/jax_eager.py
 
-`keras_attn/ops/kernels/jax_eager.py` runs an eager call's masks and kernel
-as one `jax.jit` program; before, each op ran (and at new shapes compiled)
-as its own. A `MultiHeadAttention` layer (width 64, 4 heads, causal, a
-padding mask) on batch 2, in both forms (`op by op`: the same code with
-`jax_eager.applies` patched to `False`, as before the change):
+`keras_attn/_jax_eager.py` runs an eager call's attention (masks and
+kernel) and its rotary positions each as one `jax.jit` program; before, each
+op ran (and at new shapes compiled) as its own. A `MultiHeadAttention` layer
+(width 64, 4 heads, rotary positions, causal, a padding mask) on batch 2, in
+both forms (`op by op`: the same code with `_jax_eager.eager` patched to
+`False`, as before the change):
 
 - `first call`: at a length not seen before (all compiled programs dropped
   first, `jax.clear_caches()`), the median over `--lengths` lengths, with
@@ -35,8 +36,7 @@ import jax.monitoring  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import write_report  # noqa: E402
 from benchmarks.timing import describe, time_calls  # noqa: E402
-from keras_attn import MultiHeadAttention  # noqa: E402
-from keras_attn.ops.kernels import jax_eager  # noqa: E402
+from keras_attn import MultiHeadAttention, _jax_eager  # noqa: E402
 
 B, WIDTH, HEADS = 2, 64, 4
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -55,10 +55,10 @@ def call_function(layer, length, one_program):
     """A function of no arguments: one eager call at `length`, as numpy."""
     x = np.random.default_rng(length).standard_normal((B, length, WIDTH), "float32")
     padding = np.arange(length) < np.array([[length], [length - 2]])
-    applies = jax_eager.applies if one_program else (lambda *args: False)
+    eager = _jax_eager.eager if one_program else (lambda tensor: False)
 
     def call():
-        with mock.patch.object(jax_eager, "applies", applies):
+        with mock.patch.object(_jax_eager, "eager", eager):
             return np.asarray(layer(x, query_mask=padding, use_causal_mask=True))
 
     return call
@@ -88,7 +88,7 @@ def main():
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--results", default=RESULTS)
     args = parser.parse_args()
-    layer = MultiHeadAttention(HEADS)
+    layer = MultiHeadAttention(HEADS, rope_max_wavelength=10_000.0)
     layer(np.zeros((B, 3, WIDTH), "float32"))
     first = first_calls(layer, range(16, 16 + args.lengths))
     steady = time_calls(
@@ -106,8 +106,8 @@ def main():
             "### Eager `MultiHeadAttention` calls on JAX, CPU",
             "",
             "Command: `OMP_NUM_THREADS=1 KERAS_BACKEND=jax python "
-            "benchmarks/jax_eager.py`. Width 64, 4 heads, batch 2, causal, "
-            f"a padding mask. First call: median over lengths 16-"
+            "benchmarks/jax_eager.py`. Width 64, 4 heads, rotary positions, "
+            f"batch 2, causal, a padding mask. First call: median over lengths 16-"
             f"{15 + args.lengths}, each after `jax.clear_caches()`; call: "
             f"length 64, {describe(args.calls)}.",
             "",

@@ -45,19 +45,19 @@ def _collections_see_this_test_only():
 @pytest.fixture(autouse=True)
 def _patches_reach_the_kernels(request):
     """On JAX an eager attention call runs a program compiled once per plan
-    and shapes (`keras_attn/ops/kernels/jax_eager.py`): a test that patches
-    what the kernels read while tracing (a spy, a smaller chunk) starts and
+    and shapes (`keras_attn/_jax_eager.py`), rotary positions too: a test
+    that patches what they read while tracing (a spy, a smaller chunk) starts and
     ends with none compiled, so that none compiled without its patch runs
     in its place."""
     patches = "monkeypatch" in request.fixturenames
     if keras.backend.backend() != "jax" or not patches:
         yield
         return
-    from keras_attn.ops.kernels import jax_eager
+    from keras_attn import _jax_eager
 
-    jax_eager.clear()
+    _jax_eager.clear()
     yield
-    jax_eager.clear()
+    _jax_eager.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,12 @@
 """Scaled dot-product attention, the public op: plan, then run the kernel."""
 
 import dataclasses
-import functools
 import math
 
 import keras
 from keras import ops
 
+from keras_attn import _jax_eager
 from keras_attn._checks import (
     check_attention_inputs,
     check_attention_options,
@@ -249,24 +249,39 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
-    run = _runner(plan, query, options, platform)
-    segments = (segment_ids, band)
-    output, weights = run(
-        plan, query, key, value, mask, bias, is_causal, options, segments
-    )
+    if _one_program(plan, query, options, platform):
+        static = (plan, is_causal, dataclasses.replace(options, sink_logits=None))
+        tensors = (query, key, value, mask, bias, options.sink_logits, segment_ids)
+        output, weights = _jax_eager.run(_run_tensors, tensors, (*static, band))
+    else:
+        output, weights = _run(
+            plan, query, key, value, mask, bias, is_causal, options,
+            (segment_ids, band),
+        )  # fmt: skip
     return (output, weights) if return_scores else output
 
 
-def _runner(plan, query, options, platform):
-    """`_run`, or on JAX where an eager call compiles as one XLA program
-    (`kernels/jax_eager.py`), `_run` in that program."""
-    if keras.config.backend() != "jax":
-        return _run
-    from keras_attn.ops.kernels import jax_eager
+def _one_program(plan, query, options, platform):
+    """Whether an eager call on JAX runs as one XLA program (`_jax_eager`):
+    not with dropout (its Keras `SeedGenerator` is updated in place), nor
+    for the fused kernel on a TPU (Keras' splash attention reads a concrete
+    mask and falls back to XLA's for a traced one:
+    `keras/src/backend/jax/nn.py`, `dot_product_attention`)."""
+    return (
+        _jax_eager.eager(query)
+        and options.dropout is None
+        and not (plan.kernel == "fused" and platform == "tpu")
+    )
 
-    if not jax_eager.applies(plan, query, options, platform):
-        return _run
-    return functools.partial(jax_eager.run, _run)
+
+def _run_tensors(
+    query, key, value, mask, bias, sink_logits, segment_ids,
+    plan, is_causal, options, band,
+):  # fmt: skip
+    """`_run` with its tensors first, the static rest after (`_jax_eager.run`)."""
+    options = dataclasses.replace(options, sink_logits=sink_logits)
+    segments = (segment_ids, band)
+    return _run(plan, query, key, value, mask, bias, is_causal, options, segments)
 
 
 def _folded(mask, segment_ids, band, query, key, heads_major):

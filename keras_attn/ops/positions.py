@@ -8,6 +8,7 @@ import math
 
 from keras import ops
 
+from keras_attn import _jax_eager
 from keras_attn._checks import (
     check_bool,
     check_positive_float,
@@ -232,7 +233,21 @@ def rotary_embedding(
 def rotate(x, positions, max_wavelength, scaling_factor=1.0, scaling=None):
     """`rotary_embedding` without its checks, for callers that checked its
     arguments (`MultiHeadAttention`: its options when created, its positions
-    per call); `scaling` as `check_rope_scaling` returns it."""
+    per call); `scaling` as `check_rope_scaling` returns it. An eager call on
+    JAX is one XLA program (`_jax_eager`)."""
+    if _jax_eager.eager(x):
+        frozen = None if scaling is None else tuple(sorted(scaling.items()))
+        static = (max_wavelength, scaling_factor, frozen)
+        return _jax_eager.run(_rotate_frozen, (x, positions), static)
+    return _rotate(x, positions, max_wavelength, scaling_factor, scaling)
+
+
+def _rotate_frozen(x, positions, max_wavelength, scaling_factor, frozen):
+    scaling = None if frozen is None else dict(frozen)
+    return _rotate(x, positions, max_wavelength, scaling_factor, scaling)
+
+
+def _rotate(x, positions, max_wavelength, scaling_factor, scaling):
     positions = ops.cast(ops.convert_to_tensor(positions), "float32")
     inverse_frequency, attention_factor = rotary_frequencies(
         max_wavelength, x.shape[-1], scaling_factor, scaling

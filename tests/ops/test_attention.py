@@ -147,7 +147,7 @@ def test_scores_come_from_the_explicit_path():
 @pytest.mark.parametrize("flash_attention", [None, False])
 def test_an_eager_call_on_jax_compiles_one_program(caplog, flash_attention):
     """On JAX an eager call folds its masks and runs its kernel as one XLA
-    program (`kernels/jax_eager.py`), not one per op: at shapes not seen
+    program (`keras_attn/_jax_eager.py`), not one per op: at shapes not seen
     before it compiles that one (no product on its own), and then nothing;
     the numbers are the formula's."""
     import jax
@@ -166,7 +166,7 @@ def test_an_eager_call_on_jax_compiles_one_program(caplog, flash_attention):
         caplog.clear()
         call()
     compiled = [m.split()[-4] for m in first if m.startswith("Finished XLA")]
-    assert compiled.count("jit(_compiled)") == 1, compiled
+    assert compiled.count("jit(compiled)") == 1, compiled
     assert "jit(_einsum)" not in compiled, compiled
     assert not [r for r in caplog.records if "XLA compilation" in r.getMessage()]
     rows, keys = np.ogrid[:11, :11]
