@@ -10,9 +10,8 @@ program costs about the same to compile whatever its size on a CPU (on JAX
 JAX's own `jax.nn` functions are each one `jax.jit`
 (`jax/_src/nn/functions.py`), and so are these eager calls: one program for
 each function, static arguments and set of shapes, compiled once per
-process. An eager `MultiHeadAttention` call then compiles a third of the
-programs at new shapes and, compiled, takes about a third of the time
-(`benchmarks/results/jax_eager.md`).
+process (what that saves an eager `MultiHeadAttention` call:
+`benchmarks/results/jax_eager.md`).
 
 Inside a trace (`jit`, `grad`, `fit`) the caller's program holds the ops, and
 they run as they are. Each caller says where else they must (attention: with
@@ -27,14 +26,21 @@ import functools
 import keras
 
 
-def eager(tensor):
-    """Whether this is JAX and `tensor` a concrete array (an eager call),
-    not a tracer."""
+def eager(tensors):
+    """Whether this is JAX and every tensor in `tensors` (a tuple, `None`s
+    and nested tuples allowed) a concrete array: an eager call, not a
+    tracer, nor a symbolic `keras.Input` or a `keras.Variable`, which JAX
+    does not take as a compiled program's argument."""
     if keras.config.backend() != "jax":
         return False
     import jax
+    import numpy as np
 
-    return not isinstance(tensor, jax.core.Tracer)
+    return all(
+        isinstance(tensor, (jax.Array, np.ndarray))
+        and not isinstance(tensor, jax.core.Tracer)
+        for tensor in jax.tree_util.tree_leaves(tensors)
+    )
 
 
 def run(function, tensors, static=()):

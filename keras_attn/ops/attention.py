@@ -249,28 +249,25 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
-    if _one_program(plan, query, options, platform):
-        static = (plan, is_causal, dataclasses.replace(options, sink_logits=None))
-        tensors = (query, key, value, mask, bias, options.sink_logits, segment_ids)
-        output, weights = _jax_eager.run(_run_tensors, tensors, (*static, band))
+    tensors = (query, key, value, mask, bias, options.sink_logits, segment_ids)
+    static = (plan, is_causal, dataclasses.replace(options, sink_logits=None), band)
+    if _one_program(plan, tensors, options, platform):
+        output, weights = _jax_eager.run(_run_tensors, tensors, static)
     else:
-        output, weights = _run(
-            plan, query, key, value, mask, bias, is_causal, options,
-            (segment_ids, band),
-        )  # fmt: skip
+        output, weights = _run_tensors(*tensors, *static)
     return (output, weights) if return_scores else output
 
 
-def _one_program(plan, query, options, platform):
+def _one_program(plan, tensors, options, platform):
     """Whether an eager call on JAX runs as one XLA program (`_jax_eager`):
     not with dropout (its Keras `SeedGenerator` is updated in place), nor
     for the fused kernel on a TPU (Keras' splash attention reads a concrete
     mask and falls back to XLA's for a traced one:
     `keras/src/backend/jax/nn.py`, `dot_product_attention`)."""
     return (
-        _jax_eager.eager(query)
-        and options.dropout is None
+        options.dropout is None
         and not (plan.kernel == "fused" and platform == "tpu")
+        and _jax_eager.eager(tensors)
     )
 
 
@@ -278,7 +275,8 @@ def _run_tensors(
     query, key, value, mask, bias, sink_logits, segment_ids,
     plan, is_causal, options, band,
 ):  # fmt: skip
-    """`_run` with its tensors first, the static rest after (`_jax_eager.run`)."""
+    """`_run` with its tensors first and the static rest after, as
+    `_jax_eager.run` calls it."""
     options = dataclasses.replace(options, sink_logits=sink_logits)
     segments = (segment_ids, band)
     return _run(plan, query, key, value, mask, bias, is_causal, options, segments)

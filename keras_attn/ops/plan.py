@@ -165,6 +165,8 @@ RUNTIME = "runtime"
 FLASH_DISABLED = "flash attention disabled by keras.config.disable_flash_attention()"
 # Rule 7's reason.
 LONG_SEGMENTS = "segment ids on a long sequence (no fused kernel takes them)"
+# Rule 6's for float16: a compiled program's limit, not a fused kernel's
+# choice (with `flash_attention=True` Keras' op refuses a CPU itself).
 JAX_FLOAT16 = "float16 on JAX off a GPU (XLA refuses its float32 sums there)"
 
 

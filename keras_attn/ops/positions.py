@@ -235,7 +235,7 @@ def rotate(x, positions, max_wavelength, scaling_factor=1.0, scaling=None):
     arguments (`MultiHeadAttention`: its options when created, its positions
     per call); `scaling` as `check_rope_scaling` returns it. An eager call on
     JAX is one XLA program (`_jax_eager`)."""
-    if _jax_eager.eager(x):
+    if _jax_eager.eager((x, positions)):
         frozen = None if scaling is None else tuple(sorted(scaling.items()))
         static = (max_wavelength, scaling_factor, frozen)
         return _jax_eager.run(_rotate_frozen, (x, positions), static)
@@ -243,6 +243,8 @@ def rotate(x, positions, max_wavelength, scaling_factor=1.0, scaling=None):
 
 
 def _rotate_frozen(x, positions, max_wavelength, scaling_factor, frozen):
+    """`_rotate` with `scaling` as a hashable tuple of its items, a static
+    argument of `_jax_eager.run`."""
     scaling = None if frozen is None else dict(frozen)
     return _rotate(x, positions, max_wavelength, scaling_factor, scaling)
 

@@ -191,3 +191,19 @@ def compiled_value_and_gradients(fn, *arrays, cotangent=None):
         total.backward()
         output, grads = output.detach(), [x.grad for x in tensors]
     return to_numpy(output), [to_numpy(g) for g in grads]
+
+
+def programs_compiled(call, caplog):
+    """The names of the XLA programs JAX compiles for `call()` (JAX logs
+    each: `jax.log_compiles`), with no program of `keras_attn._jax_eager`
+    compiled before: `jit(compiled)` for each of its calls."""
+    import jax
+
+    from keras_attn import _jax_eager
+
+    _jax_eager.clear()
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
+        call()
+    messages = [record.getMessage() for record in caplog.records]
+    return [m.split()[-4] for m in messages if m.startswith("Finished XLA")]

@@ -14,6 +14,7 @@ from keras_attn.ops import attention, plan
 from tests.helpers.backend import (
     BACKEND,
     has_accelerator,
+    programs_compiled,
     to_numpy,
     value_and_gradients,
 )
@@ -150,29 +151,55 @@ def test_an_eager_call_on_jax_compiles_one_program(caplog, flash_attention):
     program (`keras_attn/_jax_eager.py`), not one per op: at shapes not seen
     before it compiles that one (no product on its own), and then nothing;
     the numbers are the formula's."""
-    import jax
-
     q, k, v = (random_floats(2, 11, 4, 8, seed=n) for n in range(3))
     mask = keras.ops.convert_to_tensor(np.tril(np.ones((2, 1, 11, 11), bool), 2))
+    outputs = []
 
     def call():
-        return attention.attend(
-            q, k, v, mask, band=(5, 1), flash_attention=flash_attention
+        outputs.append(
+            attention.attend(
+                q, k, v, mask, band=(5, 1), flash_attention=flash_attention
+            )
         )
 
-    with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
-        output = call()
-        first = [r.getMessage() for r in caplog.records]
-        caplog.clear()
-        call()
-    compiled = [m.split()[-4] for m in first if m.startswith("Finished XLA")]
-    assert compiled.count("jit(compiled)") == 1, compiled
+    compiled = programs_compiled(lambda: (call(), call()), caplog)
+    assert compiled.count("jit(compiled)") == 1, compiled  # for both calls
     assert "jit(_einsum)" not in compiled, compiled
-    assert not [r for r in caplog.records if "XLA compilation" in r.getMessage()]
     rows, keys = np.ogrid[:11, :11]
     band = (np.abs(rows - keys) < 5) | (keys < 1)  # a window of 5, 1 sink
     expected, _ = dot_product_reference(q, k, v, to_numpy(mask) & band)
-    np.testing.assert_allclose(to_numpy(output), expected, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(outputs[0]), expected, atol=1e-5)
+
+
+def test_variable_inputs_take_the_ops():
+    """`keras.Variable`s give what their values give (on JAX a variable is
+    no eager program's argument: `_jax_eager.eager`)."""
+    x = random_floats(2, 5, 4, 8)
+    variable = keras.Variable(x)
+    np.testing.assert_allclose(
+        to_numpy(attn_ops.dot_product_attention(variable, variable, variable)),
+        to_numpy(attn_ops.dot_product_attention(x, x, x)),
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        to_numpy(attn_ops.rotary_embedding(variable, np.arange(5))),
+        to_numpy(attn_ops.rotary_embedding(x, np.arange(5))),
+        atol=1e-6,
+    )
+
+
+@pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="not yet on TensorFlow (the output loses its width) and PyTorch "
+    "(the fused kernel gets the KerasTensor)",
+)
+def test_symbolic_inputs_give_the_output_shape():
+    """`keras.Input`s give the output's `KerasTensor` (on JAX no eager
+    program's argument: `_jax_eager.eager`)."""
+    q, kv = keras.Input((5, 4, 8)), keras.Input((6, 2, 8))
+    assert tuple(attn_ops.dot_product_attention(q, kv, kv).shape) == (None, 5, 4, 8)
+    rotated = attn_ops.rotary_embedding(q, np.arange(5))
+    assert tuple(rotated.shape) == (None, 5, 4, 8)
 
 
 @pytest.mark.parametrize(

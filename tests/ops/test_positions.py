@@ -9,7 +9,7 @@ import pytest
 
 from keras_attn import ops as attn_ops
 from keras_attn.ops.positions import check_rope_scaling, rotary_frequencies
-from tests.helpers.backend import to_numpy
+from tests.helpers.backend import BACKEND, programs_compiled, to_numpy
 from tests.helpers.builders import random_floats
 from tests.helpers.references import EPS32, reference_encoding, rotary_reference
 
@@ -71,6 +71,18 @@ def test_rotary_embedding_matches_the_formula(
     assert np.all(np.abs(rotated - expected) <= bound)
     small = np.broadcast_to(np.abs(angles) < 8, x.shape)
     np.testing.assert_allclose(rotated[small], expected[small], atol=2e-6)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX compiles each eager op")
+def test_an_eager_rotation_on_jax_compiles_one_program(caplog):
+    """On JAX an eager rotation is one XLA program (`keras_attn/_jax_eager.py`),
+    not one per op (a cosine, a sine, the halves' concatenation, ...)."""
+    x, positions = random_floats(2, 13, 3, 8), keras.ops.arange(13)
+    compiled = programs_compiled(
+        lambda: attn_ops.rotary_embedding(x, positions, 100.0), caplog
+    )
+    assert compiled.count("jit(compiled)") == 1, compiled
+    assert "jit(cos)" not in compiled and "jit(sin)" not in compiled, compiled
 
 
 def test_rotary_embedding_bad_types():
