@@ -249,12 +249,12 @@ def attend(
         logit_soft_cap=logit_soft_cap,
         sink_logits=None if sink_logits is None else ops.convert_to_tensor(sink_logits),
     )
-    tensors = (query, key, value, mask, bias, options.sink_logits, segment_ids)
-    static = (plan, is_causal, dataclasses.replace(options, sink_logits=None), band)
-    if _one_program(plan, tensors, options, platform):
-        output, weights = _jax_eager.run(_run_tensors, tensors, static)
-    else:
-        output, weights = _run_tensors(*tensors, *static)
+    tensors = (query, key, value, mask, bias, segment_ids)
+    run = _in_one_program if _one_program(plan, tensors, options, platform) else _run
+    segments = (segment_ids, band)
+    output, weights = run(
+        plan, query, key, value, mask, bias, is_causal, options, segments
+    )
     return (output, weights) if return_scores else output
 
 
@@ -267,8 +267,19 @@ def _one_program(plan, tensors, options, platform):
     return (
         options.dropout is None
         and not (plan.kernel == "fused" and platform == "tpu")
-        and _jax_eager.eager(tensors)
+        and _jax_eager.eager((tensors, options.sink_logits))
     )
+
+
+def _in_one_program(plan, query, key, value, mask, bias, is_causal, options, segments):
+    """`_run` as one XLA program (`_jax_eager.run`): the tensors, the sink
+    logits and segment ids among them, are its arguments, the rest static.
+    Only here are the options split: elsewhere `_run` takes them as they
+    are, with no copy on an eager PyTorch step's path."""
+    segment_ids, band = segments
+    tensors = (query, key, value, mask, bias, options.sink_logits, segment_ids)
+    static = (plan, is_causal, dataclasses.replace(options, sink_logits=None), band)
+    return _jax_eager.run(_run_tensors, tensors, static)
 
 
 def _run_tensors(
@@ -276,7 +287,7 @@ def _run_tensors(
     plan, is_causal, options, band,
 ):  # fmt: skip
     """`_run` with its tensors first and the static rest after, as
-    `_jax_eager.run` calls it."""
+    `_jax_eager.run` calls it (`_in_one_program`)."""
     options = dataclasses.replace(options, sink_logits=sink_logits)
     segments = (segment_ids, band)
     return _run(plan, query, key, value, mask, bias, is_causal, options, segments)
