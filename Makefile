@@ -47,12 +47,22 @@ format: $(BIN)/.installed
 # workers: that pool is known to hang on CI machines after a cold start
 # (pytorch/pytorch#162199; AReaL's CI, areal-project/AReaL#701), and a CI
 # run of ours ended at its time limit with the PyTorch run at 98%.
+# JAX keeps every program it compiles in JAX_CACHE (its persistent
+# compilation cache, from the first program: tiny ones are most of ours),
+# shared by both workers, the processes the tests start and later runs.
+# The key is the program, XLA's flags and jaxlib's version, so a cached
+# program is never another's. tests/layers, tests/generation and tests/ops on
+# JAX, two runs side by side from an empty cache: sum of test times 1,887 s
+# without, 1,820 s with (-4%); tests/layers alone, 279 s without, 172 s on
+# the second run (the cache filled). `make clean` empties it.
+JAX_CACHE ?= $(CURDIR)/.cache/jax
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 THREADS := OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
 	TORCHINDUCTOR_COMPILE_THREADS=1 \
 	XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 \
-	--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+	--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false" \
+	JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 # Each run prints its slowest tests and how long it took: what to cut when
 # the suite nears its budget (20 minutes on a fresh clone).
@@ -106,4 +116,4 @@ test-compat: $(foreach v,$(COMPAT_KERAS) $(if $(KERAS_NIGHTLY),nightly),$(COMPAT
 	echo "every Keras passed: $(COMPAT_KERAS) $(if $(KERAS_NIGHTLY),nightly)"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .cache
