@@ -106,8 +106,12 @@ causal mask (`cache.top_left_causal`, index 0), and the layers pass
 `attend(within_causal=True)`, so each chunk skips the slots past its rows,
 the cache's unwritten tail included; the other kernels take the mask as it
 is (folding a causal mask in again is `(T, S)` work for nothing there).
-Segment ids, other cache offsets (a speculative verify pass) and lengths
-known only at run time skip nothing yet.
+Segment ids and lengths known only at run time skip nothing yet. Nor do
+other cache offsets, whose index is traced, so no window is static; the
+one caller with such an offset, a speculative verify pass, has `k + 1`
+rows, so it goes in chunks only past `CHUNKED_FROM / ((k + 1) * H)` cache
+slots (419,430 for `k = 4` and 32 heads), and otherwise runs a kernel that
+takes the whole mask.
 
 No speed rule: none measured wins by 10%. Reading a heads-major cache in
 place in a decoding step was one; `benchmarks/dispatch.py` finds it level with
