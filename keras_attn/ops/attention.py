@@ -27,7 +27,7 @@ from keras_attn.ops.plan import (
 )
 from keras_attn.ops.positions import segment_runs
 
-__all__ = ["dot_product_attention"]
+__all__ = ["DotProductAttention", "dot_product_attention"]
 
 
 def dot_product_attention(
@@ -133,11 +133,72 @@ def dot_product_attention(
         query_segment_ids, key_segment_ids, query, key, heads_major
     )
     _check_sink_logits(sink_logits, query)
+    tensors = (query, key, value, mask, bias, query_segment_ids, key_segment_ids)
+    if any(isinstance(x, keras.KerasTensor) for x in (*tensors, sink_logits)):
+        return DotProductAttention(
+            is_causal, scale, flash_attention, dropout, return_scores,
+            heads_major, logit_soft_cap,
+        )(*tensors, sink_logits)  # fmt: skip
     return attend(
         query, key, value, mask, bias, is_causal, scale, flash_attention,
         dropout, return_scores, heads_major, logit_soft_cap, segment_ids,
         sink_logits,
     )  # fmt: skip
+
+
+@keras.saving.register_keras_serializable(package="keras_attn")
+class DotProductAttention(keras.Operation):
+    """`dot_product_attention` on symbolic inputs (`keras.Input`), as the
+    functions of `keras.ops` do: the call gives the outputs' `KerasTensor`s
+    and records the op, so that a functional model runs it on its tensors.
+    Its options are its config (a `dropout` callable is not saveable)."""
+
+    def __init__(
+        self,
+        is_causal=False,
+        scale=None,
+        flash_attention=None,
+        dropout=None,
+        return_scores=False,
+        heads_major=False,
+        logit_soft_cap=None,
+        name=None,
+    ):
+        super().__init__(name=name)
+        self.options = dict(
+            is_causal=is_causal, scale=scale, flash_attention=flash_attention,
+            dropout=dropout, return_scores=return_scores,
+            heads_major=heads_major, logit_soft_cap=logit_soft_cap,
+        )  # fmt: skip
+
+    def call(self, query, key, value, mask=None, bias=None, query_segment_ids=None,
+             key_segment_ids=None, sink_logits=None):  # fmt: skip
+        return dot_product_attention(
+            query, key, value, mask, bias, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, sink_logits=sink_logits,
+            **self.options,
+        )  # fmt: skip
+
+    def compute_output_spec(self, query, key, value, *masks_and_sinks):
+        batch, length, heads = query.shape[:3]
+        output = keras.KerasTensor(
+            (batch, length, heads, value.shape[-1]), dtype=query.dtype
+        )
+        if not self.options["return_scores"]:
+            return output
+        key_length = key.shape[2 if self.options["heads_major"] else 1]
+        weights = keras.KerasTensor(
+            (batch, heads, length, key_length), dtype=query.dtype
+        )
+        return output, weights
+
+    def get_config(self):
+        if self.options["dropout"] is not None:
+            raise ValueError(
+                "A `dot_product_attention` with a `dropout` callable cannot be "
+                f"saved. Received: dropout={self.options['dropout']!r}."
+            )
+        return {"name": self.name, **self.options}
 
 
 def _check_sink_logits(sink_logits, query):

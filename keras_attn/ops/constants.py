@@ -19,7 +19,8 @@ def constant(values, dtype, like):
 
     A sequence rather than a numpy array: a constant that `torch.compile`
     folds, where an array made in the traced function breaks the graph.
+    Beside a symbolic `like` (`keras.Input`), Keras' call, which has no device.
     """
-    if torch_eager is not None:
+    if torch_eager is not None and not isinstance(like, keras.KerasTensor):
         return torch_eager.constant(values, dtype, like)
     return ops.convert_to_tensor(values, dtype=dtype)

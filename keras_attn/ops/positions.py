@@ -141,7 +141,8 @@ def positions_in_runs(runs):
     # The starts in order, then `length` for every other token: (B, T)
     is_start = _run_starts(runs)  # runs change where the ids do
     starts = ops.sort(ops.where(is_start, ops.expand_dims(index, 0), length), axis=1)
-    return index - ops.take_along_axis(starts, runs - 1, axis=1)
+    # `ops.subtract`: a JAX array's `-` refuses a `KerasTensor` (`keras.Input`).
+    return ops.subtract(index, ops.take_along_axis(starts, runs - 1, axis=1))
 
 
 def segment_runs(segment_ids):

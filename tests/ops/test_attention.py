@@ -188,18 +188,50 @@ def test_variable_inputs_take_the_ops():
     )
 
 
-@pytest.mark.skipif(
-    BACKEND != "jax",
-    reason="not yet on TensorFlow (the output loses its width) and PyTorch "
-    "(the fused kernel gets the KerasTensor)",
-)
-def test_symbolic_inputs_give_the_output_shape():
-    """`keras.Input`s give the output's `KerasTensor` (on JAX no eager
-    program's argument: `_jax_eager.eager`)."""
-    q, kv = keras.Input((5, 4, 8)), keras.Input((6, 2, 8))
-    assert tuple(attn_ops.dot_product_attention(q, kv, kv).shape) == (None, 5, 4, 8)
-    rotated = attn_ops.rotary_embedding(q, np.arange(5))
-    assert tuple(rotated.shape) == (None, 5, 4, 8)
+def test_symbolic_inputs_build_a_functional_model(tmp_path):
+    """`keras.Input`s give the outputs' `KerasTensor`s, and a functional
+    model built from them computes and saves what the eager calls give: the
+    op is a node of the model (`attention.DotProductAttention`), as the
+    functions of `keras.ops` are (before it, the explicit path lost the
+    output's width on every backend and the fused kernel got the
+    `KerasTensor` on PyTorch)."""
+    q, kv = keras.Input((5, 4, 8)), keras.Input((5, 2, 8))
+    ids = keras.Input((5,), dtype="int32")
+    output = attn_ops.dot_product_attention(q, kv, kv, is_causal=True)
+    packed = attn_ops.dot_product_attention(
+        attn_ops.rotary_embedding(q, attn_ops.segment_positions(ids)),
+        kv, kv, query_segment_ids=ids, logit_soft_cap=5.0,
+    )  # fmt: skip
+    scores = attn_ops.dot_product_attention(q, kv, kv, return_scores=True)
+    assert [tuple(x.shape) for x in (output, packed, *scores)] == [
+        (None, 5, 4, 8), (None, 5, 4, 8), (None, 5, 4, 8), (None, 4, 5, 5),
+    ]  # fmt: skip
+    model = keras.Model([q, kv, ids], [output, packed, scores[1]])
+    numbers = [random_floats(2, 5, 4, 8), random_floats(2, 5, 2, 8, seed=1)]
+    numbers.append(np.array([[1, 1, 2, 2, 2], [3, 3, 3, 3, 4]], "int32"))
+    q, kv, ids = numbers
+    positions = attn_ops.segment_positions(ids)
+    expected = [
+        attn_ops.dot_product_attention(q, kv, kv, is_causal=True),
+        attn_ops.dot_product_attention(
+            attn_ops.rotary_embedding(q, positions),
+            kv,
+            kv,
+            query_segment_ids=ids,
+            logit_soft_cap=5.0,
+        ),  # fmt: skip
+        attn_ops.dot_product_attention(q, kv, kv, return_scores=True)[1],
+    ]
+    path = tmp_path / "ops.keras"
+    model.save(path)
+    for tested in (model, keras.saving.load_model(path)):
+        for got, want in zip(tested.predict(numbers, verbose=0), expected, strict=True):
+            np.testing.assert_allclose(got, to_numpy(want), atol=1e-5)
+    dropped = attn_ops.dot_product_attention(
+        keras.Input((5, 4, 8)), kv, kv, dropout=lambda weights: weights
+    )
+    with pytest.raises(ValueError, match=r"`dropout` callable cannot be saved"):
+        dropped._keras_history.operation.get_config()
 
 
 @pytest.mark.parametrize(
