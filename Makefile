@@ -54,7 +54,9 @@ format: $(BIN)/.installed
 # program is never another's. tests/layers, tests/generation and tests/ops on
 # JAX, two runs side by side from an empty cache: sum of test times 1,887 s
 # without, 1,820 s with (-4%); tests/layers alone, 279 s without, 172 s on
-# the second run (the cache filled). `make clean` empties it.
+# the second run (the cache filled). On some CPUs (AVX-512 ones, in
+# jax-ml/jax#38445) XLA rejects every cached program, with a logged error, and
+# compiles it again. `make clean` empties the default folder.
 JAX_CACHE ?= $(CURDIR)/.cache/jax
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
@@ -62,7 +64,7 @@ THREADS := OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 \
 	TORCHINDUCTOR_COMPILE_THREADS=1 \
 	XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 \
 	--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false" \
-	JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+	JAX_COMPILATION_CACHE_DIR="$(JAX_CACHE)" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 # Each run prints its slowest tests and how long it took: what to cut when
 # the suite nears its budget (20 minutes on a fresh clone).

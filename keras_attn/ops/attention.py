@@ -64,6 +64,9 @@ def dot_product_attention(
     zeros, never NaN. A NaN in the inputs gives NaN, but for torch's fused
     CPU kernel, which gives zeros for a query row holding a NaN where no mask
     or bias reaches it (torch's behaviour, left as it is: see the README).
+    Symbolic inputs (`keras.Input`) give the outputs' `KerasTensor`s, as
+    `keras.ops` does: the call is a node (`DotProductAttention`) of the
+    functional model built from them, which saves; it takes no `dropout`.
 
     Args:
         query: `(B, T, H, D)`.
@@ -135,10 +138,12 @@ def dot_product_attention(
     _check_sink_logits(sink_logits, query)
     tensors = (query, key, value, mask, bias, query_segment_ids, key_segment_ids)
     if any(isinstance(x, keras.KerasTensor) for x in (*tensors, sink_logits)):
-        return DotProductAttention(
-            is_causal, scale, flash_attention, dropout, return_scores,
-            heads_major, logit_soft_cap,
-        )(*tensors, sink_logits)  # fmt: skip
+        return _symbolic(
+            tensors, sink_logits, is_causal=is_causal, scale=scale,
+            flash_attention=flash_attention, dropout=dropout,
+            return_scores=return_scores, heads_major=heads_major,
+            logit_soft_cap=logit_soft_cap,
+        )  # fmt: skip
     return attend(
         query, key, value, mask, bias, is_causal, scale, flash_attention,
         dropout, return_scores, heads_major, logit_soft_cap, segment_ids,
@@ -146,19 +151,42 @@ def dot_product_attention(
     )  # fmt: skip
 
 
+def _symbolic(tensors, sink_logits, dropout, **options):
+    """`dot_product_attention` on symbolic inputs: checked here, once, as an
+    eager call is (its plan's refusals included), then a `DotProductAttention`
+    node. No `dropout`: a callable hidden in the node is neither tracked by
+    the model (a `keras.layers.Dropout`'s seed would never advance in a
+    compiled `fit`) nor saveable."""
+    if dropout is not None:
+        raise ValueError(
+            "`dot_product_attention` on symbolic inputs (`keras.Input`) takes no "
+            "`dropout`: a functional model would neither track nor save it. Use "
+            "`keras_attn.MultiHeadAttention(dropout=...)`, or a layer that owns "
+            f"its `keras.layers.Dropout`. Received: dropout={dropout!r}."
+        )
+    query, key, value, mask, bias, query_ids, _ = tensors
+    _planned(
+        query, key, value, mask, bias, options["is_causal"],
+        options["flash_attention"], False, options["return_scores"],
+        options["heads_major"], options["logit_soft_cap"], query_ids is not None,
+        sink_logits is not None, False, False, platform_of(query),
+    )  # fmt: skip
+    return DotProductAttention(**options)(*tensors, sink_logits)
+
+
 @keras.saving.register_keras_serializable(package="keras_attn")
 class DotProductAttention(keras.Operation):
     """`dot_product_attention` on symbolic inputs (`keras.Input`), as the
     functions of `keras.ops` do: the call gives the outputs' `KerasTensor`s
-    and records the op, so that a functional model runs it on its tensors.
-    Its options are its config (a `dropout` callable is not saveable)."""
+    and records the op, so that a functional model runs it on its tensors
+    (checking them again, as every eager call does). The arguments are
+    `dot_product_attention`'s options but `dropout`, and its config."""
 
     def __init__(
         self,
         is_causal=False,
         scale=None,
         flash_attention=None,
-        dropout=None,
         return_scores=False,
         heads_major=False,
         logit_soft_cap=None,
@@ -167,7 +195,7 @@ class DotProductAttention(keras.Operation):
         super().__init__(name=name)
         self.options = dict(
             is_causal=is_causal, scale=scale, flash_attention=flash_attention,
-            dropout=dropout, return_scores=return_scores,
+            return_scores=return_scores,
             heads_major=heads_major, logit_soft_cap=logit_soft_cap,
         )  # fmt: skip
 
@@ -193,11 +221,6 @@ class DotProductAttention(keras.Operation):
         return output, weights
 
     def get_config(self):
-        if self.options["dropout"] is not None:
-            raise ValueError(
-                "A `dot_product_attention` with a `dropout` callable cannot be "
-                f"saved. Received: dropout={self.options['dropout']!r}."
-            )
         return {"name": self.name, **self.options}
 
 
@@ -275,31 +298,14 @@ def attend(
     causal mask (a prefill's cache mask, `cache.top_left_causal`): the
     chunked path then skips the keys past each chunk's rows as with
     `is_causal`, and the other kernels take the mask as it is."""
-    mask = merge_attention_masks(mask)
-    if bias is not None:  # rank 4, which every backend's fused kernel takes
-        bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
     band = None if band is None else KeyBand(*band)
     platform = platform_of(query)
-    plan = plan_attention(
-        tuple(query.shape),
-        tuple(key.shape),
-        tuple(value.shape),
-        query.dtype,
-        heads_major=heads_major,
-        mask_shape=None if mask is None else tuple(mask.shape),
-        bias_shape=None if bias is None else tuple(bias.shape),
-        is_causal=is_causal,
-        dropout=dropout is not None,
-        return_scores=return_scores,
-        logit_soft_cap=logit_soft_cap,
-        sink_logits=sink_logits is not None,
-        flash_attention=flash_attention,
-        platform=platform,
-        exporting=exported_by_torch(),
-        segmented=segment_ids is not None,
-        banded=band is not None,
-        training=training,
-    )
+    mask, bias, plan = _planned(
+        query, key, value, mask, bias, is_causal, flash_attention,
+        dropout is not None, return_scores, heads_major, logit_soft_cap,
+        segment_ids is not None, sink_logits is not None, band is not None,
+        training, platform,
+    )  # fmt: skip
     # The promise is about a mask: with none, it holds nothing.
     within_causal = within_causal and mask is not None
     is_causal = is_causal or (within_causal and plan.kernel == "chunked")
@@ -317,6 +323,38 @@ def attend(
         plan, query, key, value, mask, bias, is_causal, options, segments
     )
     return (output, weights) if return_scores else output
+
+
+def _planned(query, key, value, mask, bias, is_causal, flash_attention, dropout,
+             return_scores, heads_major, logit_soft_cap, segmented, sinks,
+             banded, training, platform):  # fmt: skip
+    """The call's mask and bias of rank 4 and its `AttentionPlan`, which
+    raises for what no kernel can honour (`dropout` ... `banded`: whether
+    the call has them)."""
+    mask = merge_attention_masks(mask)
+    if bias is not None:  # rank 4, which every backend's fused kernel takes
+        bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))
+    plan = plan_attention(
+        tuple(query.shape),
+        tuple(key.shape),
+        tuple(value.shape),
+        query.dtype,
+        heads_major=heads_major,
+        mask_shape=None if mask is None else tuple(mask.shape),
+        bias_shape=None if bias is None else tuple(bias.shape),
+        is_causal=is_causal,
+        dropout=dropout,
+        return_scores=return_scores,
+        logit_soft_cap=logit_soft_cap,
+        sink_logits=sinks,
+        flash_attention=flash_attention,
+        platform=platform,
+        exporting=exported_by_torch(),
+        segmented=segmented,
+        banded=banded,
+        training=training,
+    )
+    return mask, bias, plan
 
 
 def _one_program(plan, tensors, options, platform):

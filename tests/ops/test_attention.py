@@ -195,43 +195,59 @@ def test_symbolic_inputs_build_a_functional_model(tmp_path):
     functions of `keras.ops` are (before it, the explicit path lost the
     output's width on every backend and the fused kernel got the
     `KerasTensor` on PyTorch)."""
-    q, kv = keras.Input((5, 4, 8)), keras.Input((5, 2, 8))
+    q, k, v = keras.Input((5, 4, 8)), keras.Input((7, 2, 8)), keras.Input((7, 2, 3))
     ids = keras.Input((5,), dtype="int32")
-    output = attn_ops.dot_product_attention(q, kv, kv, is_causal=True)
+    output = attn_ops.dot_product_attention(q, k, v, is_causal=True)
     packed = attn_ops.dot_product_attention(
         attn_ops.rotary_embedding(q, attn_ops.segment_positions(ids)),
-        kv, kv, query_segment_ids=ids, logit_soft_cap=5.0,
+        q, q, query_segment_ids=ids, logit_soft_cap=5.0,
     )  # fmt: skip
-    scores = attn_ops.dot_product_attention(q, kv, kv, return_scores=True)
+    heads_major = [keras.ops.transpose(x, (0, 2, 1, 3)) for x in (k, v)]
+    scores = attn_ops.dot_product_attention(
+        q, *heads_major, heads_major=True, return_scores=True
+    )
     assert [tuple(x.shape) for x in (output, packed, *scores)] == [
-        (None, 5, 4, 8), (None, 5, 4, 8), (None, 5, 4, 8), (None, 4, 5, 5),
+        (None, 5, 4, 3), (None, 5, 4, 8), (None, 5, 4, 3), (None, 4, 5, 7),
     ]  # fmt: skip
-    model = keras.Model([q, kv, ids], [output, packed, scores[1]])
-    numbers = [random_floats(2, 5, 4, 8), random_floats(2, 5, 2, 8, seed=1)]
+    rotated = attn_ops.rotary_embedding(q, np.arange(5))
+    assert tuple(rotated.shape) == (None, 5, 4, 8)
+    half = keras.Input((5, 4, 8), dtype="bfloat16")
+    assert attn_ops.dot_product_attention(half, half, half).dtype == "bfloat16"
+    model = keras.Model([q, k, v, ids], [output, packed, scores[1]])
+    numbers = [random_floats(2, 5, 4, 8), random_floats(2, 7, 2, 8, seed=1)]
+    numbers += [random_floats(2, 7, 2, 3, seed=2)]
     numbers.append(np.array([[1, 1, 2, 2, 2], [3, 3, 3, 3, 4]], "int32"))
-    q, kv, ids = numbers
+    q, k, v, ids = numbers
     positions = attn_ops.segment_positions(ids)
     expected = [
-        attn_ops.dot_product_attention(q, kv, kv, is_causal=True),
+        attn_ops.dot_product_attention(q, k, v, is_causal=True),
         attn_ops.dot_product_attention(
             attn_ops.rotary_embedding(q, positions),
-            kv,
-            kv,
+            q,
+            q,
             query_segment_ids=ids,
             logit_soft_cap=5.0,
         ),  # fmt: skip
-        attn_ops.dot_product_attention(q, kv, kv, return_scores=True)[1],
+        attn_ops.dot_product_attention(q, k, v, return_scores=True)[1],
     ]
     path = tmp_path / "ops.keras"
     model.save(path)
     for tested in (model, keras.saving.load_model(path)):
         for got, want in zip(tested.predict(numbers, verbose=0), expected, strict=True):
             np.testing.assert_allclose(got, to_numpy(want), atol=1e-5)
-    dropped = attn_ops.dot_product_attention(
-        keras.Input((5, 4, 8)), kv, kv, dropout=lambda weights: weights
-    )
-    with pytest.raises(ValueError, match=r"`dropout` callable cannot be saved"):
-        dropped._keras_history.operation.get_config()
+
+
+def test_symbolic_inputs_are_refused_what_an_eager_call_is():
+    """At the call, once, as for tensors: what no kernel can honour (the
+    plan's refusals), and `dropout`, which a functional model could neither
+    track nor save."""
+    q = keras.Input((5, 4, 8))
+    with pytest.raises(ValueError, match=r"`flash_attention=True` needs"):
+        attn_ops.dot_product_attention(
+            q, q, q, flash_attention=True, return_scores=True
+        )
+    with pytest.raises(ValueError, match=r"symbolic inputs .* takes no `dropout`"):
+        attn_ops.dot_product_attention(q, q, q, dropout=keras.layers.Dropout(0.1))
 
 
 @pytest.mark.parametrize(
