@@ -166,10 +166,14 @@ def _symbolic(tensors, sink_logits, dropout, **options):
         )
     query, key, value, mask, bias, query_ids, _ = tensors
     _planned(
-        query, key, value, mask, bias, options["is_causal"],
-        options["flash_attention"], False, options["return_scores"],
-        options["heads_major"], options["logit_soft_cap"], query_ids is not None,
-        sink_logits is not None, False, False, platform_of(query),
+        query, key, value, mask, bias, platform_of(query),
+        is_causal=options["is_causal"],
+        flash_attention=options["flash_attention"],
+        return_scores=options["return_scores"],
+        heads_major=options["heads_major"],
+        logit_soft_cap=options["logit_soft_cap"],
+        segmented=query_ids is not None,
+        sinks=sink_logits is not None,
     )  # fmt: skip
     return DotProductAttention(**options)(*tensors, sink_logits)
 
@@ -301,10 +305,17 @@ def attend(
     band = None if band is None else KeyBand(*band)
     platform = platform_of(query)
     mask, bias, plan = _planned(
-        query, key, value, mask, bias, is_causal, flash_attention,
-        dropout is not None, return_scores, heads_major, logit_soft_cap,
-        segment_ids is not None, sink_logits is not None, band is not None,
-        training, platform,
+        query, key, value, mask, bias, platform,
+        is_causal=is_causal,
+        flash_attention=flash_attention,
+        return_scores=return_scores,
+        heads_major=heads_major,
+        logit_soft_cap=logit_soft_cap,
+        segmented=segment_ids is not None,
+        sinks=sink_logits is not None,
+        dropout=dropout is not None,
+        banded=band is not None,
+        training=training,
     )  # fmt: skip
     # The promise is about a mask: with none, it holds nothing.
     within_causal = within_causal and mask is not None
@@ -325,12 +336,13 @@ def attend(
     return (output, weights) if return_scores else output
 
 
-def _planned(query, key, value, mask, bias, is_causal, flash_attention, dropout,
-             return_scores, heads_major, logit_soft_cap, segmented, sinks,
-             banded, training, platform):  # fmt: skip
+def _planned(query, key, value, mask, bias, platform, *, is_causal,
+             flash_attention, return_scores, heads_major, logit_soft_cap,
+             segmented, sinks, dropout=False, banded=False,
+             training=False):  # fmt: skip
     """The call's mask and bias of rank 4 and its `AttentionPlan`, which
-    raises for what no kernel can honour (`dropout` ... `banded`: whether
-    the call has them)."""
+    raises for what no kernel can honour (`segmented`, `sinks`, `dropout`
+    and `banded`: whether the call has them)."""
     mask = merge_attention_masks(mask)
     if bias is not None:  # rank 4, which every backend's fused kernel takes
         bias = ops.reshape(bias, (1,) * (4 - len(bias.shape)) + tuple(ops.shape(bias)))

@@ -227,7 +227,7 @@ def test_symbolic_inputs_build_a_functional_model(tmp_path):
             q,
             query_segment_ids=ids,
             logit_soft_cap=5.0,
-        ),  # fmt: skip
+        ),
         attn_ops.dot_product_attention(q, k, v, return_scores=True)[1],
     ]
     path = tmp_path / "ops.keras"
